@@ -1,0 +1,67 @@
+"""Ring all-reduce: reduce-scatter then all-gather around a ring of n ranks (Patarasuk & Yuan).
+
+Each rank sends and receives 2(n-1)/n of the buffer, the bandwidth lower bound for all-reduce;
+latency grows as 2(n-1) messages.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from testbed.collectives.common import Traffic, chunk_bounds, scratch_for
+
+
+def ring_allreduce_(
+    buf: torch.Tensor, group: dist.ProcessGroup | None = None, scratch: torch.Tensor | None = None
+) -> Traffic:
+    """Sum ``buf`` (1-D, contiguous) across ``group`` in place.
+
+    ``scratch`` (at least ceil(numel / n) elements) is reused for received chunks when given.
+    """
+    n = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    traffic = Traffic()
+    if n == 1:
+        return traffic
+    right = dist.get_global_rank(group, (rank + 1) % n) if group is not None else (rank + 1) % n
+    left = dist.get_global_rank(group, (rank - 1) % n) if group is not None else (rank - 1) % n
+    bounds = chunk_bounds(buf.numel(), n)
+    tmp_all = scratch_for(scratch, buf, bounds[0][1] - bounds[0][0])
+    esize = buf.element_size()
+
+    # Reduce-scatter: at step s rank r passes chunk (r - s) to the right and adds chunk (r - s - 1)
+    # from the left; afterwards rank r holds the full sum of chunk (r + 1) mod n.
+    for s in range(n - 1):
+        send_lo, send_hi = bounds[(rank - s) % n]
+        recv_lo, recv_hi = bounds[(rank - s - 1) % n]
+        tmp = tmp_all[: recv_hi - recv_lo]
+        _exchange(buf[send_lo:send_hi], right, tmp, left, group, traffic, esize)
+        buf[recv_lo:recv_hi].add_(tmp)
+    # All-gather: pass the completed chunks around the ring, receiving straight into place.
+    for s in range(n - 1):
+        send_lo, send_hi = bounds[(rank + 1 - s) % n]
+        recv_lo, recv_hi = bounds[(rank - s) % n]
+        _exchange(buf[send_lo:send_hi], right, buf[recv_lo:recv_hi], left, group, traffic, esize)
+    return traffic
+
+
+def _exchange(
+    send: torch.Tensor,
+    dst: int,
+    recv: torch.Tensor,
+    src: int,
+    group: dist.ProcessGroup | None,
+    traffic: Traffic,
+    esize: int,
+) -> None:
+    # Chunk sizes are known to both ends, so empty chunks (numel < n) are skipped on both sides.
+    works = []
+    if send.numel():
+        works.append(dist.isend(send, dst, group))
+        traffic.sent += send.numel() * esize
+    if recv.numel():
+        works.append(dist.irecv(recv, src, group))
+        traffic.recv += recv.numel() * esize
+    for work in works:
+        work.wait()

@@ -1,0 +1,136 @@
+"""Tree all-reduce: reduce to a root, then broadcast, pipelined in chunks.
+
+With ``double=True`` two complementary binary trees each carry half of the buffer (NCCL's double
+binary tree, Sanders et al. 2009): a rank that is an inner node in one tree is a leaf in the other,
+so per-rank traffic stays close to the ring's while latency grows with log2(n), not n. Chunking
+pipelines the levels: a rank forwards chunk c while its children send chunk c + 1, so time is
+about 2(h + C)(alpha + beta M / C) for height h and C chunks instead of 2 h M beta.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from testbed.collectives.common import Traffic, chunk_bounds
+
+
+def btree(n: int, rank: int) -> tuple[int, list[int]]:
+    """(parent, children) of ``rank`` in NCCL's in-order binary tree over n ranks; root 0, parent -1.
+
+    Odd ranks are leaves; rank r's level is its lowest set bit.
+    """
+    if n == 1:
+        return -1, []
+    bit = 1
+    while bit < n and not bit & rank:
+        bit <<= 1
+    if rank == 0:
+        return -1, [bit >> 1]
+    parent = (rank ^ bit) | (bit << 1)
+    if parent >= n:
+        parent = rank ^ bit
+    low = bit >> 1
+    children = [rank - low] if low else []
+    while low:
+        if rank + low < n:
+            children.append(rank + low)
+            break
+        low >>= 1
+    return parent, children
+
+
+def dtree(n: int, rank: int) -> list[tuple[int, list[int]]]:
+    """The two trees of a double binary tree: the in-order tree, and its mirror (even n) or shift (odd n)."""
+    first = btree(n, rank)
+    if n % 2:
+        relabel = lambda r: -1 if r == -1 else (r + 1) % n  # noqa: E731
+        parent, children = btree(n, (rank - 1) % n)
+    else:
+        relabel = lambda r: -1 if r == -1 else n - 1 - r  # noqa: E731
+        parent, children = btree(n, n - 1 - rank)
+    return [first, (relabel(parent), [relabel(c) for c in children])]
+
+
+@dataclass
+class _Lane:
+    """One tree carrying one segment of the buffer."""
+
+    parent: int
+    children: list[int]
+    segment: torch.Tensor
+    chunks: list[tuple[int, int]]
+    tag: int  # reduce uses tag, broadcast tag + 1, so lanes and phases never match each other's messages
+
+
+def tree_allreduce_(
+    buf: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    chunk_elems: int = 1 << 18,
+    double: bool = True,
+    scratch: torch.Tensor | None = None,
+) -> Traffic:
+    """Sum ``buf`` (1-D, contiguous) across ``group`` in place.
+
+    ``scratch`` needs 4 * chunk_elems elements (two trees, two children each) and is reused when given.
+    """
+    n = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    traffic = Traffic()
+    if n == 1:
+        return traffic
+    glob = (lambda r: r if r < 0 else dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
+    trees = dtree(n, rank) if double and buf.numel() >= 2 else [btree(n, rank)]
+    segments = [buf[lo:hi] for lo, hi in chunk_bounds(buf.numel(), len(trees))]
+    lanes = []
+    for i, ((parent, children), segment) in enumerate(zip(trees, segments)):
+        count = max(1, -(-segment.numel() // chunk_elems))
+        lanes.append(_Lane(glob(parent), [glob(c) for c in children], segment, chunk_bounds(segment.numel(), count), 2 * i))
+    if scratch is None or scratch.numel() < 4 * chunk_elems or scratch.dtype != buf.dtype:
+        scratch = torch.empty(4 * chunk_elems, dtype=buf.dtype, device=buf.device)
+    esize = buf.element_size()
+    pending: list[dist.Work] = []
+    rounds = max(len(lane.chunks) for lane in lanes)
+
+    # Reduce: receive each chunk from the children, add, pass it up without waiting for the send.
+    for c in range(rounds):
+        for li, lane in enumerate(lanes):
+            if c >= len(lane.chunks):
+                continue
+            lo, hi = lane.chunks[c]
+            part = lane.segment[lo:hi]
+            if not part.numel():
+                continue
+            slots = [scratch[(2 * li + k) * chunk_elems :][: part.numel()] for k in range(len(lane.children))]
+            works = [dist.irecv(slot, child, group, tag=lane.tag) for slot, child in zip(slots, lane.children)]
+            for work, slot in zip(works, slots):
+                work.wait()
+                part.add_(slot)
+                traffic.recv += part.numel() * esize
+            if lane.parent >= 0:
+                pending.append(dist.isend(part, lane.parent, group, tag=lane.tag))
+                traffic.sent += part.numel() * esize
+    for work in pending:
+        work.wait()
+    pending.clear()
+
+    # Broadcast: receive each finished chunk from the parent and pass it down.
+    for c in range(rounds):
+        for lane in lanes:
+            if c >= len(lane.chunks):
+                continue
+            lo, hi = lane.chunks[c]
+            part = lane.segment[lo:hi]
+            if not part.numel():
+                continue
+            if lane.parent >= 0:
+                dist.irecv(part, lane.parent, group, tag=lane.tag + 1).wait()
+                traffic.recv += part.numel() * esize
+            for child in lane.children:
+                pending.append(dist.isend(part, child, group, tag=lane.tag + 1))
+                traffic.sent += part.numel() * esize
+    for work in pending:
+        work.wait()
+    return traffic

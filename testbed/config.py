@@ -1,0 +1,306 @@
+"""Structured-config schemas and the semantic checks that run before any process is spawned.
+
+Hydra composes YAML from ``experiments/`` on top of these dataclasses, so a wrong type or an unknown
+key fails at composition with the field's full name. ``validate`` adds the checks a schema cannot
+express (ranges, divisibility, model/data fit, GPUs per local rank) and raises ``ConfigError`` with
+one line that names the field, the allowed values and the fix.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message is one line naming the field and the fix."""
+
+
+class Device(enum.Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Backend(enum.Enum):
+    auto = "auto"
+    gloo = "gloo"
+    nccl = "nccl"
+
+
+class Precision(enum.Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class Scaling(enum.Enum):
+    weak = "weak"  # data.batch_size is per worker; the global batch grows with world_size
+    strong = "strong"  # data.batch_size is global; each worker gets batch_size / world_size
+
+
+class NcclAlgo(enum.Enum):
+    Ring = "Ring"
+    Tree = "Tree"
+
+
+# --- sync group -------------------------------------------------------------------------------
+
+
+@dataclass
+class NoneSyncConfig:
+    name: str = "none"
+
+
+@dataclass
+class AllReduceSyncConfig:
+    name: str = "allreduce"
+    # Forces NCCL's algorithm (exported as NCCL_ALGO before the communicator exists); ignored by Gloo.
+    nccl_algo: Optional[NcclAlgo] = None
+
+
+@dataclass
+class RingSyncConfig:
+    name: str = "ring"
+
+
+@dataclass
+class TreeSyncConfig:
+    name: str = "tree"
+    # Pipelining granularity: the buffer moves up and down the tree in chunks of this size.
+    chunk_kb: int = 1024
+    # Two complementary binary trees, each carrying half the buffer (NCCL's double binary tree).
+    double: bool = True
+
+
+# --- model group ------------------------------------------------------------------------------
+
+
+@dataclass
+class MlpConfig:
+    name: str = "mlp"
+    hidden: int = 256
+    depth: int = 2  # hidden layers
+
+
+@dataclass
+class CnnConfig:
+    name: str = "cnn"
+    width: int = 16  # channels of the first stage; stage i has width * 2**i
+    blocks: list[int] = field(default_factory=lambda: [1, 1, 1])  # residual blocks per stage
+
+
+@dataclass
+class TransformerConfig:
+    name: str = "transformer"
+    d_model: int = 128
+    n_layer: int = 2
+    n_head: int = 4
+
+
+# --- data group -------------------------------------------------------------------------------
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    batch_size: int = 32
+    scaling: Scaling = Scaling.weak
+    num_samples: int = 4096  # synthetic data sets are materialised once per rank
+    shape: list[int] = field(default_factory=lambda: [3, 16, 16])  # classification inputs
+    num_classes: int = 10
+    vocab_size: int = 256  # language-model data
+    seq_len: int = 64
+
+
+# --- optim group ------------------------------------------------------------------------------
+
+
+@dataclass
+class SgdConfig:
+    name: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    nesterov: bool = False
+
+
+@dataclass
+class AdamWConfig:
+    name: str = "adamw"
+    lr: float = 1e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+
+
+# --- launcher group ---------------------------------------------------------------------------
+
+
+@dataclass
+class LocalLauncherConfig:
+    name: str = "local"
+    # Rank stdout/stderr go to <job dir>/logs; rank 0 is also echoed to the console.
+    echo_rank0: bool = True
+    monitor_interval_s: float = 0.1
+
+
+@dataclass
+class TimeoutsConfig:
+    collective_s: float = 300.0  # every collective and point-to-point wait (process-group timeout)
+    rendezvous_s: float = 120.0  # ranks joining the world
+
+
+@dataclass
+class Config:
+    sync: Any = MISSING
+    model: Any = MISSING
+    data: DataConfig = MISSING
+    optim: Any = MISSING
+    launcher: Any = MISSING
+    world_size: int = 1
+    steps: int = 50
+    warmup_steps: int = 5  # excluded from every summary statistic
+    seed: int = 0
+    device: Device = Device.auto
+    backend: Backend = Backend.auto
+    precision: Precision = Precision.fp32
+    threads_per_rank: int = 0  # 0: the machine's cores divided among the local ranks
+    log_every: int = 0  # progress line on rank 0 every n steps; 0: about ten lines per run
+    timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
+
+
+GROUP_SCHEMAS: dict[str, dict[str, type]] = {
+    "sync": {
+        "none": NoneSyncConfig,
+        "allreduce": AllReduceSyncConfig,
+        "ring": RingSyncConfig,
+        "tree": TreeSyncConfig,
+    },
+    "model": {"mlp": MlpConfig, "cnn": CnnConfig, "transformer": TransformerConfig},
+    "data": {"synthetic": DataConfig, "lm": DataConfig, "digits": DataConfig},
+    "optim": {"sgd": SgdConfig, "adamw": AdamWConfig},
+    "launcher": {"local": LocalLauncherConfig},
+}
+
+
+def register_schemas() -> None:
+    """Store the schemas so that each YAML option can extend ``schema_<name>`` in its group."""
+    cs = ConfigStore.instance()
+    cs.store(name="schema", node=Config)
+    for group, options in GROUP_SCHEMAS.items():
+        for name, schema in options.items():
+            cs.store(group=group, name=f"schema_{name}", node=schema)
+
+
+# --- semantic checks --------------------------------------------------------------------------
+
+MODEL_INPUTS = {"mlp": ("synthetic", "digits"), "cnn": ("synthetic", "digits"), "transformer": ("lm",)}
+
+
+def resolved_device(cfg: DictConfig) -> str:
+    device = _enum_value(cfg.device)
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def resolved_backend(cfg: DictConfig) -> str:
+    backend = _enum_value(cfg.backend)
+    if backend == "auto":
+        return "nccl" if resolved_device(cfg) == "cuda" else "gloo"
+    return backend
+
+
+def per_rank_batch(cfg: DictConfig) -> int:
+    if _enum_value(cfg.data.scaling) == "strong":
+        return int(cfg.data.batch_size) // int(cfg.world_size)
+    return int(cfg.data.batch_size)
+
+
+def global_batch(cfg: DictConfig) -> int:
+    return per_rank_batch(cfg) * int(cfg.world_size)
+
+
+def validate(cfg: DictConfig, local_world_size: Optional[int] = None) -> None:
+    """Raise ConfigError for a config that cannot run; called before any rank is spawned.
+
+    ``local_world_size`` is the number of ranks on this machine (world_size when we spawn them).
+    """
+    local = int(cfg.world_size) if local_world_size is None else local_world_size
+    _require(cfg.world_size >= 1, f"world_size={cfg.world_size}: must be an integer >= 1")
+    _require(cfg.steps >= 1, f"steps={cfg.steps}: must be an integer >= 1")
+    _require(
+        0 <= cfg.warmup_steps < cfg.steps,
+        f"warmup_steps={cfg.warmup_steps}: must be in [0, steps={cfg.steps}); lower warmup_steps",
+    )
+    _require(cfg.threads_per_rank >= 0, f"threads_per_rank={cfg.threads_per_rank}: must be >= 0 (0 = auto)")
+    _require(cfg.timeouts.collective_s > 0, "timeouts.collective_s: must be > 0 seconds")
+    _require(cfg.timeouts.rendezvous_s > 0, "timeouts.rendezvous_s: must be > 0 seconds")
+
+    data = cfg.data
+    _require(data.batch_size >= 1, f"data.batch_size={data.batch_size}: must be >= 1")
+    if _enum_value(data.scaling) == "strong":
+        _require(
+            data.batch_size % cfg.world_size == 0,
+            f"data.batch_size={data.batch_size} does not divide by world_size={cfg.world_size} under "
+            f"data.scaling=strong; use a multiple of {cfg.world_size} or data.scaling=weak",
+        )
+    if data.name != "digits":
+        _require(data.num_samples >= 1, f"data.num_samples={data.num_samples}: must be >= 1")
+    allowed = MODEL_INPUTS[cfg.model.name]
+    _require(
+        data.name in allowed,
+        f"model={cfg.model.name} cannot read data={data.name}; allowed: data={'|'.join(allowed)}",
+    )
+    if data.name == "synthetic" and cfg.model.name == "cnn":
+        _require(len(data.shape) == 3, f"data.shape={list(data.shape)}: model=cnn needs [channels, height, width]")
+    _require(all(d >= 1 for d in data.shape), f"data.shape={list(data.shape)}: every dimension must be >= 1")
+    if cfg.model.name == "transformer":
+        _require(
+            cfg.model.d_model % cfg.model.n_head == 0,
+            f"model.d_model={cfg.model.d_model} does not divide by model.n_head={cfg.model.n_head}",
+        )
+    if cfg.sync.name == "tree":
+        _require(cfg.sync.chunk_kb >= 1, f"sync.chunk_kb={cfg.sync.chunk_kb}: must be >= 1")
+
+    device = _enum_value(cfg.device)
+    backend = _enum_value(cfg.backend)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    _require(
+        device != "cuda" or gpus >= 1,
+        "device=cuda but no CUDA GPU is visible; use device=cpu or device=auto",
+    )
+    if backend == "nccl" or (backend == "auto" and resolved_device(cfg) == "cuda"):
+        _require(
+            resolved_device(cfg) == "cuda" and gpus >= local,
+            f"backend=nccl needs one CUDA GPU per local rank ({local} local ranks, {gpus} GPUs visible); "
+            "use backend=gloo (or device=cpu), or fewer ranks per machine",
+        )
+    if backend == "gloo" and resolved_device(cfg) == "cuda" and cfg.sync.name in ("ring", "tree"):
+        raise ConfigError(
+            f"sync={cfg.sync.name} with backend=gloo needs CPU tensors (Gloo has no CUDA send/recv); "
+            "use device=cpu or backend=nccl"
+        )
+    _require(
+        _enum_value(cfg.precision) == "fp32" or resolved_device(cfg) == "cuda",
+        "precision=bf16 (autocast) is for CUDA; use precision=fp32 on CPU",
+    )
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _enum_value(value: Any) -> str:
+    return value.value if isinstance(value, enum.Enum) else str(value)
+
+
+def to_plain(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved config as plain Python (enums as strings): what ranks receive."""
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]

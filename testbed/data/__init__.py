@@ -1,0 +1,65 @@
+"""Data sets and the per-rank batch stream.
+
+Every data set is a pair of tensors materialised once per rank from the seed, so all ranks hold
+the same samples and no files are needed. ``RankBatches`` gives each rank its slice of each global
+batch; the concatenation over ranks is exactly the global batch a single process would draw.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+
+from testbed.data.datasets import load_dataset
+from testbed.data.spec import DataSpec
+
+
+class RankBatches:
+    """Infinite stream of this rank's batches.
+
+    The sample order is a concatenation of per-epoch permutations drawn from ``seed``; global batch
+    ``t`` is positions ``[t*G, (t+1)*G)`` of that order and rank ``r`` takes its ``r``-th slice of
+    size ``B = G / world_size``. Batches may straddle epochs, so every step has a full batch.
+    """
+
+    def __init__(
+        self, inputs: torch.Tensor, targets: torch.Tensor, per_rank: int, rank: int, world_size: int, seed: int
+    ) -> None:
+        self.inputs, self.targets = inputs, targets
+        self.per_rank, self.rank, self.world_size, self.seed = per_rank, rank, world_size, seed
+        self._epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if epoch != self._epoch:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._epoch, self._perm = epoch, torch.randperm(len(self.inputs), generator=gen)
+        return self._perm
+
+    def indices(self, step: int) -> torch.Tensor:
+        n = len(self.inputs)
+        start = step * self.per_rank * self.world_size + self.rank * self.per_rank
+        positions = torch.arange(start, start + self.per_rank)
+        out = torch.empty(self.per_rank, dtype=torch.long)
+        for epoch in positions.div(n, rounding_mode="floor").unique().tolist():
+            mask = positions.div(n, rounding_mode="floor") == epoch
+            out[mask] = self._order(epoch)[positions[mask] % n]
+        return out
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = self.indices(step)
+        return self.inputs[idx], self.targets[idx]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        step = 0
+        while True:
+            yield self.batch(step)
+            step += 1
+
+
+def build_data(cfg: Any, per_rank: int, rank: int, world_size: int, seed: int) -> tuple[DataSpec, RankBatches]:
+    inputs, targets, spec = load_dataset(cfg, seed)
+    return spec, RankBatches(inputs, targets, per_rank, rank, world_size, seed)
+
+
+__all__ = ["DataSpec", "RankBatches", "build_data"]

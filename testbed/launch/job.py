@@ -1,0 +1,79 @@
+"""One Hydra job = one distributed run: validate, spawn or join the world, record the outcome."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from testbed import config
+from testbed.launch.existing import surrounding_world
+from testbed.launch.rank import rank_main
+from testbed.launch.spawn import RankFailure, spawn_world
+from testbed.results.summary import failed_summary, summarize, write_summary
+from testbed.results.table import format_table, summary_row
+
+log = logging.getLogger("testbed")
+
+
+def run_job(cfg: DictConfig) -> Optional[dict[str, Any]]:
+    hydra_cfg = HydraConfig.get()
+    job_dir = Path(hydra_cfg.runtime.output_dir)
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    try:
+        joined = surrounding_world()
+        if joined is not None:
+            _check_joined(cfg, joined, hydra_cfg, multirun)
+        config.validate(cfg, local_world_size=joined[3] if joined else None)
+    except config.ConfigError as exc:
+        return _config_failure(cfg, job_dir, str(exc), multirun)
+
+    plain = config.to_plain(cfg)
+    if joined is not None:
+        return rank_main(plain, str(job_dir))  # rank 0 writes the results; every rank returns here
+    try:
+        results = spawn_world(
+            rank_main, (plain, str(job_dir)), cfg.world_size, job_dir / "logs",
+            rendezvous_timeout_s=cfg.timeouts.rendezvous_s, echo_rank0=cfg.launcher.echo_rank0,
+            monitor_interval_s=cfg.launcher.monitor_interval_s,
+        )  # fmt: skip
+        summary = results[0]
+    except RankFailure as failure:
+        summary = failed_summary(job_dir, plain, failure.message, failure.rank)
+        write_summary(job_dir, summary)
+        log.error("run failed: %s (results so far kept in %s)", failure, job_dir)
+    print(format_table([summary_row(summary)]), flush=True)
+    if summary["status"] != "ok" and not multirun:
+        sys.exit(1)
+    return summary
+
+
+def _check_joined(cfg: DictConfig, joined: tuple[int, int, int, int], hydra_cfg: Any, multirun: bool) -> None:
+    _, _, world_size, _ = joined
+    if multirun:
+        raise config.ConfigError("inside torchrun/Slurm one process is one rank: drop -m/--multirun (sweep outside)")
+    if cfg.world_size != world_size:
+        raise config.ConfigError(
+            f"world_size={cfg.world_size} but the surrounding torchrun/Slurm world has {world_size} ranks; "
+            f"set world_size={world_size}"
+        )
+    if world_size > 1 and not any(o.startswith("hydra.run.dir=") for o in hydra_cfg.overrides.hydra):
+        raise config.ConfigError(
+            "inside torchrun/Slurm every rank must write to one job directory: pass hydra.run.dir=<shared path>"
+        )
+
+
+def _config_failure(cfg: DictConfig, job_dir: Path, message: str, multirun: bool) -> Optional[dict[str, Any]]:
+    print(f"config error: {message}", file=sys.stderr, flush=True)
+    if not multirun:
+        sys.exit(2)
+    # In a sweep, one bad point is recorded and the sweep goes on with the next job.
+    plain = config.to_plain(cfg)
+    summary = summarize(plain, [], status="failed", error={"message": f"config error: {message}", "rank": None})
+    write_summary(job_dir, summary)
+    return summary

@@ -1,0 +1,108 @@
+"""What every rank runs: build the pieces from the resolved config, train, write the results.
+
+Ranks receive the resolved config as a plain dict, never the parent's argv, so Hydra multirun,
+torchrun and Slurm all compose.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import resource
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from testbed import config
+from testbed.data import build_data
+from testbed.models import build_model, gradient_bytes
+from testbed.optim import build_optimizer
+from testbed.results.step_log import StepLog, metrics_path
+from testbed.results.summary import summarize, write_summary
+from testbed.sync import build_synchronizer
+from testbed.timing import fill_wait
+from testbed.trainer import Trainer
+from testbed.world import World, close_world, init_world
+
+log = logging.getLogger("testbed")
+
+
+@record
+def rank_main(plain_cfg: dict[str, Any], job_dir: str) -> Optional[dict[str, Any]]:
+    """Train one rank; rank 0 writes summary.json and model_final.pt and returns the summary."""
+    cfg = OmegaConf.create(plain_cfg)
+    if cfg.sync.name == "allreduce" and cfg.sync.get("nccl_algo"):
+        os.environ["NCCL_ALGO"] = str(cfg.sync.nccl_algo)  # read by NCCL when the communicator is created
+    world = init_world(config.resolved_device(cfg), config.resolved_backend(cfg), cfg.timeouts.collective_s)
+    _configure_logging(world.rank)
+    log.info("rank %d/%d pid %d device %s backend %s", world.rank, world.world_size, os.getpid(), world.device, world.backend)
+    sync = build_synchronizer(cfg.sync)
+    try:
+        threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // world.local_world_size)
+        torch.set_num_threads(threads)
+        torch.manual_seed(cfg.seed)  # identical initial replicas on every rank
+        spec, batches = build_data(cfg.data, config.per_rank_batch(cfg), world.rank, world.world_size, cfg.seed)
+        model = build_model(cfg.model, spec).to(world.device)
+        optimizer = build_optimizer(cfg.optim, model.parameters())
+        sync.setup(model, optimizer, world)
+        step_log = StepLog(metrics_path(Path(job_dir), world.rank))
+        trainer = Trainer(
+            model, optimizer, sync, batches, world, step_log, cfg.steps,
+            bf16=cfg.precision == "bf16", log_every=cfg.log_every,
+        )  # fmt: skip
+        records = trainer.run()
+        return _finish(cfg, plain_cfg, world, model, sync, step_log, records, Path(job_dir))
+    finally:
+        sync.close()
+        close_world()
+
+
+def _finish(
+    cfg: Any, plain_cfg: dict[str, Any], world: World, model: torch.nn.Module, sync: Any,
+    step_log: StepLog, records: list[dict[str, Any]], job_dir: Path,
+) -> Optional[dict[str, Any]]:  # fmt: skip
+    """One exchange after the last step: enter times (for t_wait) and per-rank facts."""
+    facts = {
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "cuda_peak_bytes": torch.cuda.max_memory_allocated(world.device) if world.device.type == "cuda" else None,
+        "param_hash": param_hash(model),
+        "gradient_bytes": gradient_bytes(model),
+        "device": str(world.device),
+        "backend": world.backend,
+    }
+    gathered: list[Any] = [None] * world.world_size
+    dist.all_gather_object(gathered, (records, facts))
+    all_records = [g[0] for g in gathered]
+    fill_wait(all_records, sync.waits_for_peers)
+    step_log.rewrite(all_records[world.rank])
+    if not world.is_main:
+        return None
+    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, job_dir / "model_final.pt")
+    summary = summarize(plain_cfg, all_records, [g[1] for g in gathered], sync.describe())
+    write_summary(job_dir, summary)
+    return summary
+
+
+def param_hash(model: torch.nn.Module) -> str:
+    """Bitwise fingerprint of the parameters: equal hashes on all ranks mean identical replicas."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _configure_logging(rank: int) -> None:
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"[rank {rank}] %(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stdout,
+        force=True,
+    )

@@ -1,0 +1,78 @@
+"""Spawn a world of local ranks through torch's elastic launcher (the engine behind torchrun).
+
+Standalone c10d rendezvous on ``localhost:0``: the rendezvous store binds a fresh port per call, so
+consecutive or concurrent jobs can never join each other's world. ``max_restarts=0``: a failed rank
+fails the run, and the agent stops the remaining ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+
+@dataclass
+class RankFailure(Exception):
+    """A run whose ranks did not all finish; ``rank`` is the first rank that failed."""
+
+    rank: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}: {self.message}"
+
+
+def spawn_world(
+    entry: Callable[..., Any],
+    args: tuple[Any, ...],
+    nproc: int,
+    log_dir: Path,
+    rendezvous_timeout_s: float = 120.0,
+    echo_rank0: bool = False,
+    monitor_interval_s: float = 0.1,
+) -> dict[int, Any]:
+    """Run ``entry(*args)`` in ``nproc`` fresh processes; return ``{rank: return value}``.
+
+    Rank stdout/stderr go to ``log_dir/<run id>/attempt_0/<rank>/``; rank 0 is echoed to the console
+    when ``echo_rank0``. Raises ``RankFailure`` naming the first failed rank.
+    """
+    log_dir.mkdir(parents=True, exist_ok=True)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"testbed-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        rdzv_configs={"timeout": int(rendezvous_timeout_s), "join_timeout": int(rendezvous_timeout_s)},
+        max_restarts=0,
+        monitor_interval=monitor_interval_s,
+        start_method="spawn",
+        logs_specs=DefaultLogsSpecs(
+            log_dir=str(log_dir), redirects=Std.ALL, tee={0: Std.ALL} if echo_rank0 else Std.NONE
+        ),
+    )
+    # The agent would otherwise re-use a stale OMP/threads setting from the parent; ranks set their own.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        return elastic_launch(config, entry)(*args)
+    except ChildFailedError as exc:
+        # The earliest failure is the cause; the others are usually peers losing their connection.
+        rank, failure = min(exc.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+        if failure.exitcode < 0:
+            message = f"killed by signal {failure.signal_name()} (pid {failure.pid})"
+        else:
+            message = _last_line(failure.message) or f"exited with code {failure.exitcode}"
+        raise RankFailure(rank, message) from None
+
+
+def _last_line(message: Any) -> str:
+    text = str(message or "").strip()
+    return text.splitlines()[-1] if text else ""

@@ -1,0 +1,1 @@
+"""The results contract: what every job directory holds (see docs/results.md)."""

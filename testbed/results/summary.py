@@ -1,0 +1,135 @@
+"""``summary.json``: one object per job, from all ranks' step records (docs/results.md)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import statistics
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from omegaconf import OmegaConf
+
+from testbed import config
+
+from testbed.results.step_log import metrics_path, read_step_log
+from testbed.timing import PHASES, compute_time, fill_wait, percentile
+
+
+def config_hash(cfg: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def versions() -> dict[str, str]:
+    import grpc
+    import hydra
+
+    import testbed
+
+    facts = {
+        "testbed": testbed.__version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "hydra": hydra.__version__,
+        "grpcio": grpc.__version__,
+    }
+    if torch.cuda.is_available():
+        facts["cuda"] = str(torch.version.cuda)
+        facts["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return facts
+
+
+def _spread(values: list[float]) -> dict[str, Optional[float]]:
+    return {"median": percentile(values, 50), "p10": percentile(values, 10), "p90": percentile(values, 90)}
+
+
+def summarize(
+    cfg: dict[str, Any],
+    records_by_rank: list[list[dict[str, Any]]],
+    per_rank: Optional[list[dict[str, Any]]] = None,
+    sync_facts: Optional[dict[str, Any]] = None,
+    status: str = "ok",
+    error: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
+    """Summary statistics over steady-state steps (warm-up excluded) of every rank."""
+    warmup = int(cfg["warmup_steps"])
+    world_size = int(cfg["world_size"])
+    common = set.intersection(*(set(r["step"] for r in recs) for recs in records_by_rank)) if records_by_rank else set()
+    steady = sorted(s for s in common if s >= warmup)
+    by_step = [{r["step"]: r for r in recs} for recs in records_by_rank]
+    rows = [[ranks[s] for ranks in by_step] for s in steady]  # rows[step][rank]
+
+    # A step lasts as long as its slowest rank; throughput is the global batch over that median.
+    step_times = [max(r["t_step"] for r in row) for row in rows]
+    global_batch = config.global_batch(OmegaConf.create(cfg))
+    step_time = percentile(step_times, 50)
+    summary: dict[str, Any] = {
+        "status": status,
+        "error": error,
+        "sync": cfg["sync"]["name"],
+        "world_size": world_size,
+        "steps": len(common),
+        "steps_configured": int(cfg["steps"]),
+        "warmup_steps": warmup,
+        "global_batch": global_batch,
+        "throughput": (global_batch / step_time) if step_time else None,
+        "throughput_mean": (global_batch * len(rows) / sum(step_times)) if step_times else None,
+        "step_time": step_time,
+        "step_time_p10": percentile(step_times, 10),
+        "step_time_p90": percentile(step_times, 90),
+    }
+    waits_known = all(r["t_wait"] is not None for row in rows for r in row)
+    names = [*PHASES, "wait"] if waits_known else list(PHASES)
+    summary["phases"] = {f"t_{p}": _spread([r[f"t_{p}"] for row in rows for r in row]) for p in names}
+    compute = [[compute_time(r) for r in row] for row in rows]
+    summary["imbalance"] = percentile([max(c) / (sum(c) / len(c)) - 1.0 for c in compute if sum(c) > 0], 50)
+    waits = [r["t_wait"] or 0.0 for row in rows for r in row]
+    total = sum(r["t_step"] for row in rows for r in row)
+    summary["idle_fraction"] = (sum(waits) / total) if total else None
+    sent = [sum(r["bytes_sent"] for r in row) for row in rows]
+    summary["bytes_per_step"] = (statistics.median(sent) / world_size) if sent else None  # per rank
+    summary["bytes_per_step_total"] = statistics.median(sent) if sent else None
+    last = [recs[-1] for recs in records_by_rank if recs]
+    summary["final_loss"] = statistics.fmean(r["loss"] for r in last) if last else None
+    summary["loss_first"] = statistics.fmean(recs[0]["loss"] for recs in records_by_rank if recs) if last else None
+    if per_rank:
+        summary["peak_rss_bytes"] = [p["peak_rss_bytes"] for p in per_rank]
+        summary["cuda_peak_bytes"] = [p.get("cuda_peak_bytes") for p in per_rank]
+        hashes = [p["param_hash"] for p in per_rank]
+        summary["param_hash"] = hashes
+        summary["replicas_identical"] = len(set(hashes)) == 1
+        summary["gradient_bytes"] = per_rank[0]["gradient_bytes"]
+        summary["device"] = per_rank[0]["device"]
+        summary["backend"] = per_rank[0]["backend"]
+    summary["sync_facts"] = sync_facts or {}
+    summary["versions"] = versions()
+    summary["config_hash"] = config_hash(cfg)
+    summary["config"] = cfg
+    return summary
+
+
+def failed_summary(job_dir: Path, cfg: dict[str, Any], message: str, rank: Optional[int]) -> dict[str, Any]:
+    """Summary of a run that did not finish, from whatever step records its ranks wrote."""
+    records = [read_step_log(metrics_path(job_dir, r)) for r in range(int(cfg["world_size"]))]
+    records = [recs for recs in records if recs]
+    if records:
+        from testbed.sync import REGISTRY
+
+        cls = REGISTRY.get(cfg["sync"]["name"])
+        fill_wait(records, waits_for_peers=bool(cls and cls.waits_for_peers))
+    return summarize(cfg, records, status="failed", error={"message": message, "rank": rank})
+
+
+def write_summary(job_dir: Path, summary: dict[str, Any]) -> Path:
+    path = job_dir / "summary.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def read_summary(job_dir: Path) -> Optional[dict[str, Any]]:
+    path = job_dir / "summary.json"
+    return json.loads(path.read_text()) if path.exists() else None

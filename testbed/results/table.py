@@ -1,0 +1,77 @@
+"""Console tables: one row per job, with speed-up and scaling efficiency against world_size = 1.
+
+Scaling efficiency is X(n) / (n * X(1)), X the throughput (samples/s) and X(1) that of the
+world_size = 1 job of the same configuration in the same table (same config but world_size).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+COLUMNS = (
+    ("sync", "sync"), ("n", "world_size"), ("status", "status"), ("samples/s", "throughput"),
+    ("step ms", "step_ms"), ("sync ms", "sync_ms"), ("wait ms", "wait_ms"), ("speedup", "speedup"),
+    ("efficiency", "efficiency"), ("MB/step", "mb_per_step"), ("loss", "final_loss"),
+)  # fmt: skip
+
+
+def _ms(summary: dict[str, Any], phase: str) -> Optional[float]:
+    spread = (summary.get("phases") or {}).get(phase)
+    return None if not spread or spread.get("median") is None else 1e3 * spread["median"]
+
+
+def summary_row(summary: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "sync": summary.get("sync"),
+        "world_size": summary.get("world_size"),
+        "status": summary.get("status"),
+        "throughput": summary.get("throughput"),
+        "step_ms": None if summary.get("step_time") is None else 1e3 * summary["step_time"],
+        "sync_ms": _ms(summary, "t_sync"),
+        "wait_ms": _ms(summary, "t_wait"),
+        "mb_per_step": None if summary.get("bytes_per_step") is None else summary["bytes_per_step"] / 1e6,
+        "final_loss": summary.get("final_loss"),
+    }
+
+
+def _baseline_key(summary: dict[str, Any]) -> str:
+    cfg = dict(summary.get("config") or {})
+    cfg.pop("world_size", None)
+    return json.dumps(cfg, sort_keys=True, default=str)
+
+
+def comparison_rows(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows sorted by (sync, world_size) with speedup and efficiency against the n = 1 job."""
+    single = {
+        _baseline_key(s): s["throughput"]
+        for s in summaries
+        if s.get("world_size") == 1 and s.get("status") == "ok" and s.get("throughput")
+    }
+    rows = []
+    for s in sorted(summaries, key=lambda s: (str(s.get("sync")), s.get("world_size") or 0)):
+        row = summary_row(s)
+        base = single.get(_baseline_key(s))
+        if base and s.get("throughput"):
+            row["speedup"] = s["throughput"] / base
+            row["efficiency"] = row["speedup"] / s["world_size"]
+        rows.append(row)
+    return rows
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+    return str(value)
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    header = [title for title, _ in COLUMNS]
+    body = [[_cell(row.get(key)) for _, key in COLUMNS] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(header)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in body]
+    return "\n".join(lines)

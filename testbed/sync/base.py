@@ -1,0 +1,112 @@
+"""The Synchronizer protocol: the one thing that differs between experiments."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional
+
+import torch
+from torch import nn
+
+from testbed.world import World
+
+
+@dataclass
+class SyncReport:
+    """What one synchronization cost this rank."""
+
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    staleness: Optional[int] = None  # parameter servers: clocks between pull and apply
+
+
+class Synchronizer(ABC):
+    """Combines gradients across ranks after backward.
+
+    After ``after_backward`` returns, every rank holds the same averaged gradients in ``p.grad``
+    (and the trainer's optimizer steps), or — for a synchronizer with ``steps_optimizer`` — already
+    holds updated parameters.
+    """
+
+    name: ClassVar[str]
+    # True when the call blocks until every rank has arrived, so that t_wait (time spent waiting for
+    # slower ranks) is defined as in testbed.timing; False for no communication or async modes.
+    waits_for_peers: ClassVar[bool] = True
+    steps_optimizer: ClassVar[bool] = False
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> None:
+        self.model, self.optimizer, self.world = model, optimizer, world
+
+    @abstractmethod
+    def after_backward(self, step: int, is_boundary: bool = True) -> SyncReport:
+        """Synchronize this step's gradients; ``is_boundary`` is False on accumulation micro-steps."""
+
+    def describe(self) -> dict[str, Any]:
+        """Facts worth recording in summary.json (algorithm actually used, buffer sizes, ...)."""
+        return {}
+
+    def close(self) -> None:
+        """Release buffers, threads and connections."""
+
+
+class FlatGradSynchronizer(Synchronizer):
+    """Averages gradients through one preallocated flat buffer per dtype.
+
+    Each ``p.grad`` is made a view into the buffer, so backward accumulates straight into it and
+    the collective runs on one contiguous tensor with no packing copy (DDP's gradient_as_bucket_view).
+    """
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> None:
+        super().setup(model, optimizer, world)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.buffers: list[torch.Tensor] = []
+        self._views: list[tuple[nn.Parameter, torch.Tensor]] = []
+        for dtype in sorted({p.dtype for p in params}, key=str):
+            group = [p for p in params if p.dtype == dtype]
+            flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=world.device)
+            offset = 0
+            for p in group:
+                view = flat[offset : offset + p.numel()].view_as(p)
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+                self._views.append((p, view))
+                offset += p.numel()
+            self.buffers.append(flat)
+        self.scratch = [self.make_scratch(flat) for flat in self.buffers]
+
+    def after_backward(self, step: int, is_boundary: bool = True) -> SyncReport:
+        self._rebind_grads()
+        report = SyncReport()
+        for flat, scratch in zip(self.buffers, self.scratch):
+            traffic = self.allreduce_(flat, scratch)
+            report.bytes_sent += traffic[0]
+            report.bytes_recv += traffic[1]
+            if self.world.world_size > 1:
+                flat.div_(self.world.world_size)
+        return report
+
+    def make_scratch(self, flat: torch.Tensor) -> Optional[torch.Tensor]:
+        """Working memory the algorithm reuses every step for ``flat`` (allocated once, at setup)."""
+        return None
+
+    @abstractmethod
+    def allreduce_(self, flat: torch.Tensor, scratch: Optional[torch.Tensor]) -> tuple[int, int]:
+        """Sum ``flat`` across ranks in place; return (bytes sent, bytes received) by this rank."""
+
+    def _rebind_grads(self) -> None:
+        # zero_grad(set_to_none=True) or user code may have replaced a grad; copy it back into place.
+        for p, view in self._views:
+            if p.grad is None:
+                view.zero_()
+                p.grad = view
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+                p.grad = view
+
+    def describe(self) -> dict[str, Any]:
+        return {"buffer_bytes": sum(b.numel() * b.element_size() for b in self.buffers)}

@@ -1,0 +1,18 @@
+"""No communication: each replica follows its own shard and the replicas drift apart.
+
+It measures the headroom: the throughput every other synchronizer would reach if communication
+were free. Its final model is not a data-parallel model.
+"""
+
+from __future__ import annotations
+
+from testbed.sync import register
+from testbed.sync.base import Synchronizer, SyncReport
+
+
+@register("none")
+class NoSync(Synchronizer):
+    waits_for_peers = False
+
+    def after_backward(self, step: int, is_boundary: bool = True) -> SyncReport:
+        return SyncReport()

@@ -1,0 +1,116 @@
+"""Timing semantics, defined once: phase durations per step and the wait/transfer split of sync.
+
+Phases of one step, in order: ``data`` (fetch the batch, move it to the device), ``forward``,
+``backward``, ``sync`` (the synchronizer's call), ``optimizer`` (optimizer step and zeroing the
+gradients). ``t_step`` is their sum. On CPU the boundaries are ``time.perf_counter`` readings; on
+CUDA they are CUDA events recorded on the current stream (never host timers around asynchronous
+kernels), read once the step's last event has completed.
+
+Each step also records, on rank 0's clock, when the rank *entered* sync (``t_sync_enter``) and when
+sync *completed* (``t_sync_exit``). For a synchronizer that blocks until every rank has arrived
+(all-reduce, synchronous PS), rank i's wait at a step is::
+
+    t_wait_i = clamp(max_j(t_sync_enter_j) - t_sync_enter_i, 0, t_sync_i)
+
+the time it sat in sync only because slower ranks had not arrived yet; ``t_sync - t_wait`` is the
+transfer itself. No barrier is added to measure it: the enter times are exchanged once, after the
+last step (``fill_wait``), so per-step lines are written with ``t_wait: null`` while the run is in
+progress and completed when it ends. For synchronizers that do not wait for peers, ``t_wait`` is 0.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+PHASES = ("data", "forward", "backward", "sync", "optimizer")
+
+
+@dataclass
+class StepTimes:
+    phases: dict[str, float]  # seconds per phase, keys from PHASES
+    sync_enter: float  # absolute, rank 0's clock
+    sync_exit: float
+
+    @property
+    def step(self) -> float:
+        return sum(self.phases.values())
+
+
+class StepClock:
+    """Marks the phase boundaries of one step: ``start()``, then ``mark()`` once per phase, ``finish()``."""
+
+    def __init__(self, device: torch.device, clock_offset_s: float = 0.0) -> None:
+        self.cuda = device.type == "cuda"
+        self.offset = clock_offset_s
+        if self.cuda:
+            self._events = [torch.cuda.Event(enable_timing=True) for _ in range(len(PHASES) + 1)]
+        self._marks: list[float] = []
+        self._start_wall = 0.0
+
+    def start(self) -> None:
+        # On CUDA the stream is idle here (finish() waited for the previous step), so the first
+        # event fires at this wall-clock time and event offsets convert to absolute times.
+        self._start_wall = time.time() + self.offset
+        if self.cuda:
+            self._n = 0
+            self._events[0].record()
+        else:
+            self._marks = [time.perf_counter()]
+
+    def mark(self) -> None:
+        if self.cuda:
+            self._n += 1
+            self._events[self._n].record()
+        else:
+            self._marks.append(time.perf_counter())
+
+    def finish(self) -> StepTimes:
+        if self.cuda:
+            self._events[-1].synchronize()
+            durations = [a.elapsed_time(b) / 1000.0 for a, b in zip(self._events, self._events[1:])]
+        else:
+            durations = [b - a for a, b in zip(self._marks, self._marks[1:])]
+        if len(durations) != len(PHASES):
+            raise RuntimeError(f"StepClock: {len(durations)} phases marked, expected {len(PHASES)}")
+        phases = dict(zip(PHASES, durations))
+        enter = self._start_wall + phases["data"] + phases["forward"] + phases["backward"]
+        return StepTimes(phases, enter, enter + phases["sync"])
+
+
+def fill_wait(records_by_rank: list[list[dict[str, Any]]], waits_for_peers: bool) -> None:
+    """Set ``t_wait`` in every record, in place, from the enter times of all ranks (see module doc).
+
+    Steps that not every rank completed (a failed run) keep ``t_wait: None``.
+    """
+    by_step: list[dict[int, dict[str, Any]]] = [{r["step"]: r for r in recs} for recs in records_by_rank]
+    common = set(by_step[0]).intersection(*by_step[1:]) if by_step else set()
+    for step_records in by_step:
+        for step, rec in step_records.items():
+            rec["t_wait"] = 0.0 if step in common else None
+    if not waits_for_peers:
+        return
+    for step in common:
+        latest = max(ranks[step]["t_sync_enter"] for ranks in by_step)
+        for ranks in by_step:
+            rec = ranks[step]
+            rec["t_wait"] = min(max(latest - rec["t_sync_enter"], 0.0), rec["t_sync"])
+
+
+def compute_time(record: dict[str, Any]) -> float:
+    """Time a rank spent on its own work in a step: everything but synchronization."""
+    return record["t_data"] + record["t_forward"] + record["t_backward"] + record["t_optimizer"]
+
+
+def percentile(values: list[float], q: float) -> Optional[float]:
+    """Linear-interpolated percentile, q in [0, 100]; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)

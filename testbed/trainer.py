@@ -1,0 +1,112 @@
+"""The one training loop every synchronizer shares.
+
+data -> forward -> backward -> synchronizer -> optimizer, each phase timed (testbed.timing), one
+JSON line per step (testbed.results.step_log). The loop never asks which synchronizer it runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import nullcontext
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from testbed.data import RankBatches
+from testbed.results.step_log import StepLog
+from testbed.sync import Synchronizer
+from testbed.timing import StepClock
+from testbed.world import World
+
+log = logging.getLogger(__name__)
+
+
+def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy; language-model logits (batch, seq, vocab) are flattened over tokens."""
+    return F.cross_entropy(output.flatten(0, -2).float(), target.flatten())
+
+
+class Trainer:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        sync: Synchronizer,
+        batches: RankBatches,
+        world: World,
+        step_log: StepLog,
+        steps: int,
+        bf16: bool = False,
+        log_every: int = 0,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy,
+    ) -> None:
+        self.model, self.optimizer, self.sync, self.batches = model, optimizer, sync, batches
+        self.world, self.step_log, self.steps, self.loss_fn = world, step_log, steps, loss_fn
+        self.autocast: Any = (
+            torch.autocast(device_type=world.device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+        )
+        self.log_every = log_every or max(1, steps // 10)
+
+    def run(self) -> list[dict[str, Any]]:
+        device, world = self.world.device, self.world
+        clock = StepClock(device, world.clock_offset_s)
+        non_blocking = device.type == "cuda"
+        records: list[dict[str, Any]] = []
+        began = time.perf_counter()
+        self.model.train()
+        for step in range(self.steps):
+            clock.start()
+            inputs, targets = self.batches.batch(step)
+            inputs = inputs.to(device, non_blocking=non_blocking)
+            targets = targets.to(device, non_blocking=non_blocking)
+            clock.mark()
+            with self.autocast:
+                loss = self.loss_fn(self.model(inputs), targets)
+            clock.mark()
+            loss.backward()
+            clock.mark()
+            report = self.sync.after_backward(step, is_boundary=True)
+            clock.mark()
+            if not self.sync.steps_optimizer:
+                self.optimizer.step()
+            # Zero in place: synchronizers keep p.grad as views into their flat buffers.
+            self.optimizer.zero_grad(set_to_none=False)
+            clock.mark()
+            times = clock.finish()
+            phases = times.phases
+            record = {
+                "step": step,
+                "rank": world.rank,
+                "samples": int(inputs.shape[0]),
+                "loss": loss.item(),
+                "t_data": phases["data"],
+                "t_forward": phases["forward"],
+                "t_backward": phases["backward"],
+                "t_sync": phases["sync"],
+                "t_wait": None,  # completed after the run from all ranks' enter times (testbed.timing)
+                "t_optimizer": phases["optimizer"],
+                "t_step": times.step,
+                "bytes_sent": report.bytes_sent,
+                "bytes_recv": report.bytes_recv,
+                "t_sync_enter": times.sync_enter,
+                "t_sync_exit": times.sync_exit,
+            }
+            if report.staleness is not None:
+                record["staleness"] = report.staleness
+            self.step_log.write(record)
+            records.append(record)
+            if world.is_main and ((step + 1) % self.log_every == 0 or step + 1 == self.steps):
+                self._progress(step, record, time.perf_counter() - began)
+        return records
+
+    def _progress(self, step: int, record: dict[str, Any], elapsed: float) -> None:
+        done = step + 1
+        eta = elapsed / done * (self.steps - done)
+        bar = "#" * (20 * done // self.steps)
+        log.info(
+            "[%-20s] step %d/%d  loss %.4f  step %.1f ms  sync %.1f ms  elapsed %.1fs  eta %.1fs",
+            bar, done, self.steps, record["loss"], 1e3 * record["t_step"], 1e3 * record["t_sync"], elapsed, eta,
+        )  # fmt: skip

@@ -1,0 +1,94 @@
+"""The world a rank lives in: who it is, where it computes, how it talks, and one shared clock.
+
+Built once per rank from the environment that torch's elastic launcher, torchrun or Slurm set
+(``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+    timeout_s: float
+    # Seconds to add to this rank's time.time() to get rank 0's clock (0 on one machine, up to the
+    # start-up estimate's error across machines); every absolute timestamp in the metrics uses it.
+    clock_offset_s: float = 0.0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def now(self) -> float:
+        """Wall-clock seconds on rank 0's time base."""
+        return time.time() + self.clock_offset_s
+
+
+def env_rank_layout() -> tuple[int, int, int, int]:
+    """(rank, local_rank, world_size, local_world_size) from torchrun-style or Slurm variables."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local_rank = int(env.get("LOCAL_RANK", rank))
+        local_world = int(env.get("LOCAL_WORLD_SIZE", world_size))
+    else:
+        rank, world_size = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+        local_rank = int(env.get("SLURM_LOCALID", 0))
+        local_world = int(env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0])
+    return rank, local_rank, world_size, local_world
+
+
+def init_world(device_kind: str, backend: str, timeout_s: float) -> World:
+    """Join the process group named by the environment and agree on a clock."""
+    rank, local_rank, world_size, local_world = env_rank_layout()
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", str(world_size))
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    if device_kind == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(
+        backend=backend,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=device if backend == "nccl" else None,
+    )
+    world = World(rank, local_rank, world_size, local_world, device, backend, timeout_s)
+    offset = _clock_offset(world)
+    return World(rank, local_rank, world_size, local_world, device, backend, timeout_s, offset)
+
+
+def _clock_offset(world: World) -> float:
+    """Estimate this rank's clock offset to rank 0 with one broadcast after a barrier.
+
+    The error is about one broadcast latency (sub-millisecond on a LAN); on one machine every rank
+    reads the same clock and the estimate is discarded.
+    """
+    if world.world_size == 1:
+        return 0.0
+    stamp = torch.zeros(1, dtype=torch.float64, device=world.device)
+    dist.barrier()
+    if world.rank == 0:
+        stamp.fill_(time.time())
+    dist.broadcast(stamp, src=0)
+    offset = float(stamp.item()) - time.time()
+    return 0.0 if world.local_world_size == world.world_size else offset
+
+
+def close_world() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
