@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 import hydra
 from omegaconf import DictConfig
 
-from testbed.config import register_schemas
+from testbed.config import ConfigError, register_schemas
 from testbed.launch.job import run_job
 from testbed.paths import config_dir
+from testbed.preflight import check_command_line
 
 register_schemas()
 
@@ -19,5 +21,15 @@ def main(cfg: DictConfig) -> Optional[dict[str, Any]]:
     return run_job(cfg)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """Entry point: check every job of the command line, then hand over to Hydra."""
+    try:
+        check_command_line(sys.argv[1:])
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        sys.exit(2)
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -189,12 +189,15 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
 
 
 def register_schemas() -> None:
-    """Store the schemas so that each YAML option can extend ``schema_<name>`` in its group."""
+    """Store the schemas: the root as ``base_config``, each option as ``/schema/<group>/<name>``.
+
+    They live outside the option groups so that Hydra's "available options" lists only real options.
+    """
     cs = ConfigStore.instance()
-    cs.store(name="schema", node=Config)
+    cs.store(name="base_config", node=Config)
     for group, options in GROUP_SCHEMAS.items():
         for name, schema in options.items():
-            cs.store(group=group, name=f"schema_{name}", node=schema)
+            cs.store(group=f"schema/{group}", name=name, node=schema)
 
 
 # --- semantic checks --------------------------------------------------------------------------

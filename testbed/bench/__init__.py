@@ -1,0 +1,1 @@
+"""Benchmarks: collective micro-benchmark (``python -m testbed.bench``), trainer overhead."""

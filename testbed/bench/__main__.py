@@ -1,0 +1,108 @@
+"""``python -m testbed.bench``: the all-reduce micro-benchmark (see testbed.bench.collectives).
+
+Example: python -m testbed.bench --world-sizes 2,4 --min-bytes 4K --max-bytes 256M --out bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from testbed.bench.collectives import IMPLS, bench_rank
+from testbed.launch.spawn import RankFailure, spawn_world
+
+UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    text = text.strip().upper().removesuffix("B")
+    unit = text[-1] if text and text[-1] in UNITS else ""
+    return int(float(text[: len(text) - len(unit)]) * UNITS[unit])
+
+
+def human(nbytes: float) -> str:
+    for unit in ("G", "M", "K"):
+        if nbytes >= UNITS[unit]:
+            return f"{nbytes / UNITS[unit]:g}{unit}"
+    return f"{int(nbytes)}"
+
+
+def size_series(lo: int, hi: int, factor: int) -> list[int]:
+    sizes = [lo]
+    while sizes[-1] * factor <= hi:
+        sizes.append(sizes[-1] * factor)
+    return sizes
+
+
+def format_results(records: list[dict], impls: list[str]) -> str:
+    header = ["n", "bytes"]
+    for impl in impls:
+        header += [f"{impl} ms", f"{impl} busbw GB/s", f"{impl} ok"]
+    header += [f"{impl}/{impls[0]}" for impl in impls[1:]]
+    rows = []
+    for (n, nbytes) in sorted({(r["world_size"], r["bytes"]) for r in records}):
+        by = {r["impl"]: r for r in records if r["world_size"] == n and r["bytes"] == nbytes}
+        row = [str(n), human(nbytes)]
+        for impl in impls:
+            r = by.get(impl)
+            row += ["-", "-", "-"] if r is None else [f"{1e3 * r['time_s']:.3f}", f"{r['busbw'] / 1e9:.3f}", str(r["correct"])]
+        base = by.get(impls[0])
+        for impl in impls[1:]:
+            r = by.get(impl)
+            row.append(f"{r['time_s'] / base['time_s']:.2f}" if r and base else "-")
+        rows.append(row)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    out = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
+    out += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m testbed.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", default="2,4", help="comma-separated, e.g. 2,4")
+    parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {','.join(IMPLS)}")
+    parser.add_argument("--min-bytes", default="4K")
+    parser.add_argument("--max-bytes", default="256M")
+    parser.add_argument("--factor", type=int, default=4, help="size multiplier between steps")
+    parser.add_argument("--sizes", default="", help="explicit comma-separated sizes (overrides min/max/factor)")
+    parser.add_argument("--iters", type=int, default=0, help="timed iterations per point (0: by size)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--tree-chunk-kb", type=int, default=1024)
+    parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    parser.add_argument("--out", default="", help="write the JSON records here")
+    args = parser.parse_args(argv)
+
+    impls = [s for s in args.impls.split(",") if s]
+    bad = sorted(set(impls) - set(IMPLS))
+    if bad:
+        parser.error(f"--impls: unknown {','.join(bad)}; allowed: {','.join(IMPLS)}")
+    world_sizes = [int(s) for s in args.world_sizes.split(",") if s]
+    if any(n < 1 for n in world_sizes):
+        parser.error("--world-sizes: every world size must be >= 1")
+    sizes = (
+        [parse_bytes(s) for s in args.sizes.split(",") if s]
+        if args.sizes
+        else size_series(parse_bytes(args.min_bytes), parse_bytes(args.max_bytes), args.factor)
+    )
+    records: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="testbed-bench-") as logs:
+        for n in world_sizes:
+            try:
+                result = spawn_world(
+                    bench_rank, (sizes, impls, args.iters, args.warmup, args.tree_chunk_kb, args.backend), n, Path(logs)
+                )
+            except RankFailure as failure:
+                print(f"benchmark failed at world_size={n}: {failure}", file=sys.stderr)
+                return 1
+            records += result[0]
+            if args.out:  # written after each world size, so a later failure keeps what was measured
+                Path(args.out).write_text(json.dumps(records, indent=1) + "\n")
+    print(format_results(records, impls))
+    return 0 if all(r["correct"] for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

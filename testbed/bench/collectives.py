@@ -1,0 +1,109 @@
+"""All-reduce micro-benchmark in the style of nccl-tests: native vs ring vs tree, one run.
+
+algbw = bytes / time; busbw = algbw * 2(n-1)/n, the per-rank link bandwidth an all-reduce of that
+speed needs with any point-to-point algorithm, so it is comparable across n and against the
+link's peak (nccl-tests' PERFORMANCE.md). Time is the slowest rank's, median over iterations, each
+started after a barrier.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from testbed.collectives import ring_allreduce_, tree_allreduce_
+
+IMPLS = ("native", "ring", "tree")
+
+
+@dataclass
+class BenchRecord:
+    impl: str
+    world_size: int
+    bytes: int
+    time_s: float  # median over iterations of the slowest rank
+    time_min_s: float
+    algbw: float  # bytes/s
+    busbw: float  # bytes/s
+    correct: bool
+    iters: int
+
+
+def default_iters(nbytes: int) -> int:
+    if nbytes <= 1 << 20:
+        return 20
+    if nbytes <= 16 << 20:
+        return 10
+    if nbytes <= 64 << 20:
+        return 5
+    return 3
+
+
+def _impl(name: str, numel: int, device: torch.device, tree_chunk_elems: int) -> Callable[[torch.Tensor], None]:
+    if name == "native":
+        return lambda buf: dist.all_reduce(buf)
+    if name == "ring":
+        scratch = torch.empty(-(-numel // dist.get_world_size()), device=device)
+        return lambda buf: ring_allreduce_(buf, scratch=scratch) and None
+    if name == "tree":
+        scratch = torch.empty(4 * tree_chunk_elems, device=device)
+        return lambda buf: tree_allreduce_(buf, chunk_elems=tree_chunk_elems, scratch=scratch) and None
+    raise ValueError(f"--impls: unknown {name!r}; allowed: {','.join(IMPLS)}")
+
+
+@record
+def bench_rank(
+    sizes: list[int], impls: list[str], iters: int, warmup: int, tree_chunk_kb: int, backend: str
+) -> list[dict]:
+    """Run in every rank; rank 0 returns the records."""
+    dist.init_process_group(backend)
+    n, rank = dist.get_world_size(), dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    torch.set_num_threads(1)
+    results: list[dict] = []
+    try:
+        for nbytes in sizes:
+            numel = max(1, nbytes // 4)
+            # Small integers keep every sum exact in float32, so correctness is equality, not tolerance.
+            pattern = (torch.arange(numel, dtype=torch.float32, device=device) % 997) + rank
+            expected = (torch.arange(numel, dtype=torch.float32, device=device) % 997) * n + n * (n - 1) / 2
+            buf = torch.empty_like(pattern)
+            for name in impls:
+                run = _impl(name, numel, device, max(1, tree_chunk_kb * 256))
+                buf.copy_(pattern)
+                run(buf)
+                correct = torch.equal(buf, expected)
+                flag = torch.tensor([0.0 if correct else 1.0], device=device)
+                dist.all_reduce(flag)
+                count = iters or default_iters(nbytes)
+                times = []
+                for i in range(warmup + count):
+                    buf.copy_(pattern)
+                    _sync(device)
+                    dist.barrier()
+                    start = time.perf_counter()
+                    run(buf)
+                    _sync(device)
+                    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                    if i >= warmup:
+                        times.append(float(elapsed.item()))
+                median = statistics.median(times)
+                algbw = numel * 4 / median
+                rec = BenchRecord(name, n, numel * 4, median, min(times), algbw, algbw * 2 * (n - 1) / n,
+                                  bool(flag.item() == 0), count)  # fmt: skip
+                results.append(asdict(rec))
+    finally:
+        dist.destroy_process_group()
+    return results if rank == 0 else []
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

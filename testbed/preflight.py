@@ -1,0 +1,81 @@
+"""Check every job of a command line before Hydra runs the first one.
+
+A sweep with one bad point should fail in a second, not after the good points have trained. The
+command line's overrides are expanded like Hydra's basic sweeper does, each point is composed with
+the Compose API and validated, and the first problem is reported as one line naming the field,
+the allowed values and the fix. Command lines this cannot expand (other sweepers, config
+overrides from the command line's -cp/-cn) are left to Hydra, where each job is still validated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Optional
+
+from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException, MissingConfigException
+from omegaconf.errors import OmegaConfBaseException
+
+from testbed.config import ConfigError, validate
+from testbed.paths import config_dir
+
+_SKIP_FLAGS = ("-cp", "-cn", "-cd", "--config-path", "--config-name", "--config-dir", "--help", "-h",
+               "--hydra-help", "--cfg", "-c", "--info", "-i", "--shell-completion", "-sc")  # fmt: skip
+
+
+def sweep_points(overrides: list[str]) -> list[list[str]]:
+    """All jobs of a command line's overrides (cartesian product of the comma-separated sweeps)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return BasicSweeper.split_arguments(parsed, max_batch_size=None)[0]
+
+
+def check_command_line(argv: list[str]) -> None:
+    """Raise ConfigError for the first job of ``argv`` that cannot run."""
+    if any(a.split("=")[0] in _SKIP_FLAGS for a in argv):
+        return
+    overrides = [a for a in argv if not a.startswith("-") and not a.lstrip("+~").startswith("hydra")]
+    try:
+        points = sweep_points(overrides)
+    except HydraException:
+        return  # a sweep syntax the basic sweeper does not expand; Hydra reports or runs it
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="preflight"):
+        for point in points:
+            try:
+                cfg = compose(config_name="config", overrides=point)
+            except (HydraException, OmegaConfBaseException) as exc:
+                raise ConfigError(describe_composition_error(exc)) from None
+            validate(cfg)
+
+
+def describe_composition_error(exc: BaseException) -> str:
+    """One line from Hydra's and OmegaConf's multi-line composition errors."""
+    if isinstance(exc, MissingConfigException) and exc.missing_cfg_file:
+        group, _, name = exc.missing_cfg_file.rpartition("/")
+        options = _options(group)
+        if options:
+            return f"{group}={name}: unknown option; allowed: {'|'.join(options)}"
+    inner: Optional[BaseException] = exc
+    while inner is not None and not isinstance(inner, OmegaConfBaseException):
+        inner = inner.__cause__ or inner.__context__
+    if isinstance(inner, OmegaConfBaseException) and getattr(inner, "full_key", None):
+        key = str(inner.full_key)
+        first = str(getattr(inner, "msg", inner)).splitlines()[0]
+        if "not in" in first or "not in struct" in first:
+            return f"{key}: unknown key; allowed keys here: {', '.join(_keys(getattr(inner, 'object_type', None)))}"
+        return f"{key}: {first}"
+    return " ".join(str(exc).split())
+
+
+def _options(group: str) -> list[str]:
+    folder = Path(config_dir()) / group
+    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+
+
+def _keys(schema: object) -> list[str]:
+    if isinstance(schema, type) and dataclasses.is_dataclass(schema):
+        return [f.name for f in dataclasses.fields(schema)]
+    return ["(see the group's YAML under experiments/)"]
