@@ -35,18 +35,21 @@ def run_job(cfg: DictConfig) -> Optional[dict[str, Any]]:
 
     plain = config.to_plain(cfg)
     if joined is not None:
-        return rank_main(plain, str(job_dir))  # rank 0 writes the results; every rank returns here
-    try:
-        results = spawn_world(
-            rank_main, (plain, str(job_dir)), cfg.world_size, job_dir / "logs",
-            rendezvous_timeout_s=cfg.timeouts.rendezvous_s, echo_rank0=cfg.launcher.echo_rank0,
-            monitor_interval_s=cfg.launcher.monitor_interval_s,
-        )  # fmt: skip
-        summary = results[0]
-    except RankFailure as failure:
-        summary = failed_summary(job_dir, plain, failure.message, failure.rank)
-        write_summary(job_dir, summary)
-        log.error("run failed: %s (results so far kept in %s)", failure, job_dir)
+        summary = rank_main(plain, str(job_dir))  # every rank runs here; rank 0 returns the summary
+        if summary is None:
+            return None
+    else:
+        try:
+            results = spawn_world(
+                rank_main, (plain, str(job_dir)), cfg.world_size, job_dir / "logs",
+                rendezvous_timeout_s=cfg.timeouts.rendezvous_s, echo_rank0=cfg.launcher.echo_rank0,
+                monitor_interval_s=cfg.launcher.monitor_interval_s,
+            )  # fmt: skip
+            summary = results[0]
+        except RankFailure as failure:
+            summary = failed_summary(job_dir, plain, failure.message, failure.rank)
+            write_summary(job_dir, summary)
+            log.error("run failed: %s (results so far kept in %s)", failure, job_dir)
     print(format_table([summary_row(summary)]), flush=True)
     if summary["status"] != "ok" and not multirun:
         sys.exit(1)

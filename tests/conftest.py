@@ -1,0 +1,51 @@
+"""Helpers shared by the tests: run the real CLI in a subprocess, read a job directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def cli_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1"})
+    return env
+
+
+def run_cli(args: list[str], cwd: Path, timeout: float = 300, module: str = "testbed") -> subprocess.CompletedProcess:
+    """``python -m testbed <args>`` as a user would type it; output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def load_params(job_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(job_dir / "model_final.pt", weights_only=True)
+
+
+def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """max over tensors of ||a - b||_inf / ||b||_inf (the equivalence tolerance in docs/results.md)."""
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)) for k in a)
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    return tmp_path

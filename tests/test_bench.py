@@ -1,0 +1,30 @@
+"""The collective benchmark runs real worlds and writes nccl-tests-style records."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import read_json, run_cli
+
+FIELDS = {"impl", "world_size", "bytes", "time_s", "algbw", "busbw", "correct"}
+
+
+def test_benchmark_records_and_table(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = run_cli(["--world-sizes", "2,3", "--sizes", "4K,64K", "--iters", "2", "--out", str(out)],
+                   cwd=tmp_path, module="testbed.bench")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    records = read_json(out)
+    assert {(r["impl"], r["world_size"], r["bytes"]) for r in records} == {
+        (impl, n, size) for impl in ("native", "ring", "tree") for n in (2, 3) for size in (4096, 65536)
+    }
+    for r in records:
+        assert FIELDS <= set(r) and r["correct"] is True
+        assert r["algbw"] == r["bytes"] / r["time_s"]
+        assert r["busbw"] == r["algbw"] * 2 * (r["world_size"] - 1) / r["world_size"]
+    assert "ring/native" in proc.stdout and "tree/native" in proc.stdout
+
+
+def test_benchmark_rejects_unknown_impl(tmp_path: Path) -> None:
+    proc = run_cli(["--impls", "ring,bogus"], cwd=tmp_path, module="testbed.bench")
+    assert proc.returncode == 2 and "--impls: unknown bogus" in proc.stderr

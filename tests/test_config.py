@@ -1,0 +1,88 @@
+"""Config groups compose; bad configs fail with one line naming the field, before anything spawns."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from conftest import run_cli
+from testbed import config
+from testbed.config import ConfigError, register_schemas, validate
+from testbed.paths import config_dir
+from testbed.preflight import check_command_line
+
+register_schemas()
+GROUPS = {group: sorted(p.stem for p in (Path(config_dir()) / group).glob("*.yaml")) for group in config.GROUP_SCHEMAS}
+
+
+def composed(overrides: list[str]):
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
+def test_every_option_composes_and_validates(group: str, option: str) -> None:
+    extra = {"model=transformer": ["data=lm"], "data=lm": ["model=transformer"]}.get(f"{group}={option}", [])
+    cfg = composed([f"{group}={option}", *extra])
+    assert cfg[group].name == option
+    validate(cfg)
+
+
+def test_options_on_disk_match_schemas() -> None:
+    for group, options in GROUPS.items():
+        assert options == sorted(config.GROUP_SCHEMAS[group]), group
+
+
+BAD = {
+    "wrong type": (["world_size=abc"], "world_size"),
+    "unknown option": (["sync=foo"], "sync=foo: unknown option; allowed: allreduce|none|ring|tree"),
+    "unknown key": (["sync.foo=1"], "sync.foo: unknown key"),
+    "bad enum": (["data.scaling=bogus"], "data.scaling"),
+    "world_size < 1": (["world_size=0"], "world_size=0"),
+    "batch does not divide": (
+        ["data.scaling=strong", "data.batch_size=10", "world_size=4"],
+        "data.batch_size=10 does not divide by world_size=4",
+    ),
+    "nccl without GPUs": (["backend=nccl", "world_size=2"], "backend=nccl needs one CUDA GPU per local rank"),
+    "model/data mismatch": (["model=transformer"], "model=transformer cannot read data=synthetic; allowed: data=lm"),
+    "one bad sweep point": (["-m", "sync=ring,tree", "world_size=1,0"], "world_size=0"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
+def test_bad_config_is_one_line_before_spawning(tmp_path: Path, case: str) -> None:
+    args, expected = BAD[case]
+    if case == "nccl without GPUs":
+        pytest.importorskip("torch").cuda.is_available() and pytest.skip("a GPU is visible")
+    out = tmp_path / "job"
+    key = "hydra.sweep.dir" if "-m" in args else "hydra.run.dir"
+    proc = run_cli([*args, f"{key}={out}"], cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("config error: ") and expected in lines[0], lines[0]
+    assert not out.exists(), "nothing may be created (no job dir, no ranks) for a bad config"
+
+
+@pytest.mark.parametrize("case", [c for c in BAD if c != "one bad sweep point"])
+def test_preflight_raises_the_same_errors(case: str) -> None:
+    args, expected = BAD[case]
+    if case == "nccl without GPUs":
+        pytest.importorskip("torch").cuda.is_available() and pytest.skip("a GPU is visible")
+    with pytest.raises(ConfigError, match=None) as info:
+        check_command_line(args)
+    assert expected in str(info.value)
+
+
+def test_derived_batch_sizes() -> None:
+    weak = composed(["world_size=4", "data.batch_size=8"])
+    strong = composed(["world_size=4", "data.batch_size=8", "data.scaling=strong"])
+    assert (config.per_rank_batch(weak), config.global_batch(weak)) == (8, 32)
+    assert (config.per_rank_batch(strong), config.global_batch(strong)) == (2, 8)
+
+
+def test_cpu_defaults_resolve_to_gloo() -> None:
+    cfg = composed(["device=cpu"])
+    assert config.resolved_device(cfg) == "cpu" and config.resolved_backend(cfg) == "gloo"

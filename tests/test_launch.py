@@ -1,0 +1,66 @@
+"""Launching: joining a torchrun world, and a crashed rank reported by rank without a hang."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import cli_env, read_json, read_jsonl, run_cli
+
+
+def torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "testbed", *args]
+    return subprocess.run(cmd, cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=300)
+
+
+def test_joins_a_torchrun_world(tmp_path: Path) -> None:
+    out = tmp_path / "job"
+    proc = torchrun(["world_size=2", "sync=ring", "steps=6", "warmup_steps=1", f"hydra.run.dir={out}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_json(out / "summary.json")
+    assert summary["status"] == "ok" and summary["world_size"] == 2 and summary["replicas_identical"]
+    assert not (out / "logs").exists()  # nothing spawned by the testbed: torchrun's ranks were used
+    assert len(read_jsonl(out / "metrics" / "rank1.jsonl")) == 6
+
+
+def test_torchrun_world_size_mismatch_is_a_config_error(tmp_path: Path) -> None:
+    proc = torchrun(["world_size=4", f"hydra.run.dir={tmp_path / 'job'}"], tmp_path)
+    assert proc.returncode != 0
+    assert "world_size=4 but the surrounding torchrun/Slurm world has 2 ranks; set world_size=2" in proc.stderr
+
+
+def test_torchrun_needs_an_explicit_job_dir(tmp_path: Path) -> None:
+    proc = torchrun(["world_size=2"], tmp_path)
+    assert proc.returncode != 0 and "pass hydra.run.dir=<shared path>" in proc.stderr
+
+
+def test_killed_rank_fails_the_run_by_rank_and_keeps_metrics(tmp_path: Path) -> None:
+    out = tmp_path / "job"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "testbed", "world_size=2", "sync=ring", "steps=100000", f"hydra.run.dir={out}",
+         "timeouts.collective_s=30"],
+        cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        metrics = out / "metrics" / "rank1.jsonl"
+        while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            time.sleep(0.2)
+        logs = list((out / "logs").glob("*/attempt_0/1/stdout.log"))
+        pid = int(re.search(r"rank 1/2 pid (\d+)", logs[0].read_text()).group(1))
+        os.kill(pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1
+    summary = read_json(out / "summary.json")
+    assert summary["status"] == "failed"
+    assert summary["error"]["rank"] == 1 and "SIGKILL" in summary["error"]["message"]
+    assert summary["steps"] >= 3  # the steps both ranks finished are kept and summarised
+    assert len(read_jsonl(out / "metrics" / "rank0.jsonl")) >= 3
+    assert "failed" in stdout

@@ -1,0 +1,64 @@
+"""The timing semantics of testbed.timing: wait = latest arrival - own arrival, clamped to sync."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from testbed.timing import PHASES, StepClock, compute_time, fill_wait, percentile
+
+
+def rec(step: int, enter: float, t_sync: float) -> dict:
+    return {"step": step, "t_sync_enter": enter, "t_sync": t_sync}
+
+
+def test_wait_is_latest_arrival_minus_own() -> None:
+    ranks = [[rec(0, 10.0, 0.5), rec(1, 20.0, 0.2)], [rec(0, 10.3, 0.2), rec(1, 20.1, 0.1)]]
+    fill_wait(ranks, waits_for_peers=True)
+    assert [r["t_wait"] for r in ranks[0]] == pytest.approx([0.3, 0.1])
+    assert [r["t_wait"] for r in ranks[1]] == [0.0, 0.0]
+
+
+def test_wait_never_exceeds_sync_time() -> None:
+    # Clock error across machines can make the estimate exceed the time actually spent in sync.
+    ranks = [[rec(0, 0.0, 0.05)], [rec(0, 1.0, 0.01)]]
+    fill_wait(ranks, waits_for_peers=True)
+    assert ranks[0][0]["t_wait"] == 0.05
+
+
+def test_no_wait_without_peers_and_unknown_for_missing_steps() -> None:
+    ranks = [[rec(0, 0.0, 0.0), rec(1, 1.0, 0.0)], [rec(0, 5.0, 0.0)]]
+    fill_wait(ranks, waits_for_peers=False)
+    assert ranks[0][0]["t_wait"] == 0.0 and ranks[1][0]["t_wait"] == 0.0
+    assert ranks[0][1]["t_wait"] is None  # rank 1 never reached step 1
+
+
+def test_step_clock_measures_each_phase() -> None:
+    clock = StepClock(torch.device("cpu"))
+    clock.start()
+    for i, _ in enumerate(PHASES):
+        time.sleep(0.01 * (i + 1))
+        clock.mark()
+    times = clock.finish()
+    assert list(times.phases) == list(PHASES)
+    for i, name in enumerate(PHASES):
+        assert times.phases[name] >= 0.01 * (i + 1)
+    assert times.sync_exit - times.sync_enter == pytest.approx(times.phases["sync"], abs=1e-6)
+    assert times.step == pytest.approx(sum(times.phases.values()))
+
+
+def test_step_clock_rejects_missing_marks() -> None:
+    clock = StepClock(torch.device("cpu"))
+    clock.start()
+    clock.mark()
+    with pytest.raises(RuntimeError, match="1 phases marked"):
+        clock.finish()
+
+
+def test_compute_excludes_sync_and_percentiles_interpolate() -> None:
+    r = {"t_data": 1.0, "t_forward": 2.0, "t_backward": 3.0, "t_sync": 100.0, "t_optimizer": 4.0}
+    assert compute_time(r) == 10.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([], 50) is None
