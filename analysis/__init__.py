@@ -1,0 +1,1 @@
+"""Analysis of testbed results: load job directories, compare synchronizers (``python -m analysis``)."""

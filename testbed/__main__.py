@@ -8,12 +8,10 @@ from typing import Any, Optional
 import hydra
 from omegaconf import DictConfig
 
-from testbed.config import ConfigError, register_schemas
+from testbed.config import ConfigError
 from testbed.launch.job import run_job
 from testbed.paths import config_dir
 from testbed.preflight import check_command_line
-
-register_schemas()
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")

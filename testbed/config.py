@@ -307,3 +307,7 @@ def _enum_value(value: Any) -> str:
 def to_plain(cfg: DictConfig) -> dict[str, Any]:
     """The resolved config as plain Python (enums as strings): what ranks receive."""
     return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
+
+
+# Importing this module makes the schemas available to every entry point (app, Compose API, tests).
+register_schemas()

@@ -72,8 +72,7 @@ class Trainer:
             clock.mark()
             if not self.sync.steps_optimizer:
                 self.optimizer.step()
-            # Zero in place: synchronizers keep p.grad as views into their flat buffers.
-            self.optimizer.zero_grad(set_to_none=False)
+            self.sync.zero_grad()
             clock.mark()
             times = clock.finish()
             phases = times.phases

@@ -9,11 +9,9 @@ from hydra import compose, initialize_config_dir
 
 from conftest import run_cli
 from testbed import config
-from testbed.config import ConfigError, register_schemas, validate
+from testbed.config import ConfigError, validate
 from testbed.paths import config_dir
 from testbed.preflight import check_command_line
-
-register_schemas()
 GROUPS = {group: sorted(p.stem for p in (Path(config_dir()) / group).glob("*.yaml")) for group in config.GROUP_SCHEMAS}
 
 

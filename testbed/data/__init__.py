@@ -28,23 +28,27 @@ class RankBatches:
     ) -> None:
         self.inputs, self.targets = inputs, targets
         self.per_rank, self.rank, self.world_size, self.seed = per_rank, rank, world_size, seed
-        self._epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
+        self._orders: dict[int, torch.Tensor] = {}
 
     def _order(self, epoch: int) -> torch.Tensor:
-        if epoch != self._epoch:
+        if epoch not in self._orders:
+            if len(self._orders) >= 2:  # a batch spans at most two epochs unless it exceeds the data set
+                self._orders.pop(min(self._orders))
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._epoch, self._perm = epoch, torch.randperm(len(self.inputs), generator=gen)
-        return self._perm
+            self._orders[epoch] = torch.randperm(len(self.inputs), generator=gen)
+        return self._orders[epoch]
 
     def indices(self, step: int) -> torch.Tensor:
         n = len(self.inputs)
-        start = step * self.per_rank * self.world_size + self.rank * self.per_rank
-        positions = torch.arange(start, start + self.per_rank)
-        out = torch.empty(self.per_rank, dtype=torch.long)
-        for epoch in positions.div(n, rounding_mode="floor").unique().tolist():
-            mask = positions.div(n, rounding_mode="floor") == epoch
-            out[mask] = self._order(epoch)[positions[mask] % n]
-        return out
+        pos = step * self.per_rank * self.world_size + self.rank * self.per_rank
+        end = pos + self.per_rank
+        parts = []
+        while pos < end:
+            epoch, offset = divmod(pos, n)
+            take = min(end - pos, n - offset)
+            parts.append(self._order(epoch)[offset : offset + take])
+            pos += take
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         idx = self.indices(step)

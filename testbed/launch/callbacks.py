@@ -2,34 +2,20 @@
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from testbed.results.summary import read_summary
-from testbed.results.table import COLUMNS, comparison_rows, format_table
-
-
-def sweep_summaries(sweep_dir: Path) -> list[dict[str, Any]]:
-    summaries = []
-    for job_dir in sorted(p for p in sweep_dir.iterdir() if p.is_dir()):
-        summary = read_summary(job_dir)
-        if summary is not None:
-            summary["job_dir"] = str(job_dir)
-            summaries.append(summary)
-    return summaries
+from testbed.results.summary import load_summaries
+from testbed.results.table import comparison_rows, format_table, write_csv
 
 
 def write_sweep_table(sweep_dir: Path) -> str:
     """Print-ready table of every job under ``sweep_dir``; also writes ``summary.csv`` there."""
-    rows = comparison_rows(sweep_summaries(sweep_dir))
-    with open(sweep_dir / "summary.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[key for _, key in COLUMNS])
-        writer.writeheader()
-        writer.writerows({key: row.get(key) for _, key in COLUMNS} for row in rows)
+    rows = comparison_rows(load_summaries([sweep_dir]))
+    write_csv(rows, sweep_dir / "summary.csv")
     return format_table(rows)
 
 

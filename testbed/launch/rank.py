@@ -10,6 +10,7 @@ import hashlib
 import logging
 import os
 import resource
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -37,6 +38,9 @@ log = logging.getLogger("testbed")
 def rank_main(plain_cfg: dict[str, Any], job_dir: str) -> Optional[dict[str, Any]]:
     """Train one rank; rank 0 writes summary.json and model_final.pt and returns the summary."""
     cfg = OmegaConf.create(plain_cfg)
+    # The launcher stops surviving ranks with SIGTERM when one fails; exiting through Python runs
+    # the finally blocks, which flush this rank's metrics.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if cfg.sync.name == "allreduce" and cfg.sync.get("nccl_algo"):
         os.environ["NCCL_ALGO"] = str(cfg.sync.nccl_algo)  # read by NCCL when the communicator is created
     world = init_world(config.resolved_device(cfg), config.resolved_backend(cfg), cfg.timeouts.collective_s)
@@ -56,7 +60,10 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str) -> Optional[dict[str, Any
             model, optimizer, sync, batches, world, step_log, cfg.steps,
             bf16=cfg.precision == "bf16", log_every=cfg.log_every,
         )  # fmt: skip
-        records = trainer.run()
+        try:
+            records = trainer.run()
+        finally:
+            step_log.close()  # everything written before the exchange (or the crash report)
         return _finish(cfg, plain_cfg, world, model, sync, step_log, records, Path(job_dir))
     finally:
         sync.close()

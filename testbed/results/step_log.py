@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,16 +21,31 @@ def metrics_path(job_dir: Path, rank: int) -> Path:
 
 
 class StepLog:
-    def __init__(self, path: Path) -> None:
+    """Appends one line per record; flushes at most every ``flush_s`` seconds and on close.
+
+    A write plus flush per step costs tens of microseconds, a few percent of a millisecond step;
+    flushing on a timer keeps that under one percent, and a crash loses at most ``flush_s`` of
+    records. (A writer thread was slower: it competes with the kernels' threads for the cores.)
+    """
+
+    def __init__(self, path: Path, flush_s: float = 0.25) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._file = open(path, "w", buffering=1)  # line-buffered: a crash loses at most one line
+        self.flush_s = flush_s
+        self._file = open(path, "w")
+        self._next_flush = time.monotonic() + flush_s
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")
+        now = time.monotonic()
+        if now >= self._next_flush:
+            self._file.flush()
+            self._next_flush = now + self.flush_s
 
     def close(self) -> None:
-        self._file.close()
+        """Flush and close (idempotent)."""
+        if not self._file.closed:
+            self._file.close()
 
     def rewrite(self, records: list[dict[str, Any]]) -> None:
         """Replace the file atomically with completed records (e.g. t_wait filled in)."""

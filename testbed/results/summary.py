@@ -133,3 +133,16 @@ def write_summary(job_dir: Path, summary: dict[str, Any]) -> Path:
 def read_summary(job_dir: Path) -> Optional[dict[str, Any]]:
     path = job_dir / "summary.json"
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def load_summaries(roots: list[Path]) -> list[dict[str, Any]]:
+    """The summary of every job directory under ``roots`` (a root may itself be a job directory)."""
+    summaries = []
+    for root in roots:
+        if not root.is_dir():
+            raise FileNotFoundError(f"{root}: no such directory")
+        for path in sorted(root.rglob("summary.json")):
+            summary = json.loads(path.read_text())
+            summary["job_dir"] = str(path.parent)
+            summaries.append(summary)
+    return summaries

@@ -6,7 +6,9 @@ world_size = 1 job of the same configuration in the same table (same config but 
 
 from __future__ import annotations
 
+import csv
 import json
+from pathlib import Path
 from typing import Any, Optional
 
 COLUMNS = (
@@ -75,3 +77,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in body]
     return "\n".join(lines)
+
+
+def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[key for _, key in COLUMNS])
+        writer.writeheader()
+        writer.writerows({key: row.get(key) for _, key in COLUMNS} for row in rows)

@@ -45,6 +45,10 @@ class Synchronizer(ABC):
     def after_backward(self, step: int, is_boundary: bool = True) -> SyncReport:
         """Synchronize this step's gradients; ``is_boundary`` is False on accumulation micro-steps."""
 
+    def zero_grad(self) -> None:
+        """Clear the gradients for the next step; synchronizers that own gradient memory override it."""
+        self.optimizer.zero_grad(set_to_none=True)
+
     def describe(self) -> dict[str, Any]:
         """Facts worth recording in summary.json (algorithm actually used, buffer sizes, ...)."""
         return {}
@@ -97,6 +101,11 @@ class FlatGradSynchronizer(Synchronizer):
     @abstractmethod
     def allreduce_(self, flat: torch.Tensor, scratch: Optional[torch.Tensor]) -> tuple[int, int]:
         """Sum ``flat`` across ranks in place; return (bytes sent, bytes received) by this rank."""
+
+    def zero_grad(self) -> None:
+        # One memset per flat buffer; the grads stay views into it.
+        for flat in self.buffers:
+            flat.zero_()
 
     def _rebind_grads(self) -> None:
         # zero_grad(set_to_none=True) or user code may have replaced a grad; copy it back into place.

@@ -1,0 +1,122 @@
+"""Trainer overhead: ``world_size=1 sync=none`` through the Trainer vs a plain PyTorch loop.
+
+Same model, data, optimizer and device; both timed by wall clock over the same steps, interleaved
+over repeats, best repeat of each. Throughput ratio = trainer / plain (target >= 0.97).
+
+Example: python -m testbed.bench.overhead --model mlp --steps 300 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+
+from testbed import config
+from testbed.data import build_data
+from testbed.models import build_model
+from testbed.optim import build_optimizer
+from testbed.results.step_log import StepLog
+from testbed.sync import build_synchronizer
+from testbed.trainer import Trainer, cross_entropy
+from testbed.paths import config_dir
+from testbed.world import World
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def plain_loop(model, optimizer, batches, steps: int, device: torch.device, bf16: bool) -> float:
+    """The loop a user would write by hand; returns seconds for ``steps`` steps."""
+    _sync(device)
+    start = time.perf_counter()
+    for step in range(steps):
+        x, y = batches.batch(step)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def measure(overrides: list[str], steps: int, repeats: int) -> dict:
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["sync=none", "world_size=1", *overrides])
+    config.validate(cfg)
+    device = torch.device(config.resolved_device(cfg))
+    world = World(0, 0, 1, 1, device, config.resolved_backend(cfg), cfg.timeouts.collective_s)
+    bf16 = str(cfg.precision) in ("bf16", "Precision.bf16")
+    torch.manual_seed(cfg.seed)
+    spec, batches = build_data(cfg.data, config.per_rank_batch(cfg), 0, 1, cfg.seed)
+    batch_samples = config.per_rank_batch(cfg)
+
+    def fresh():
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg.model, spec).to(device)
+        return model, build_optimizer(cfg.optim, model.parameters())
+
+    def run_trainer(r: int, tmp: str) -> float:
+        model, opt = fresh()
+        sync = build_synchronizer(cfg.sync)
+        sync.setup(model, opt, world)
+        log = StepLog(Path(tmp) / f"rank0-{r}.jsonl")
+        trainer = Trainer(model, opt, sync, batches, world, log, steps, bf16=bf16, log_every=10**9)
+        _sync(device)
+        start = time.perf_counter()
+        trainer.run()
+        _sync(device)
+        log.close()
+        return time.perf_counter() - start
+
+    plain_s, trainer_s = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(repeats + 1):  # round 0 warms up both paths and is discarded
+            # Alternate which path goes first, so that neither always runs on a warmer machine.
+            if r % 2:
+                t_trainer = run_trainer(r, tmp)
+                t_plain = plain_loop(*fresh(), batches, steps, device, bf16)
+            else:
+                t_plain = plain_loop(*fresh(), batches, steps, device, bf16)
+                t_trainer = run_trainer(r, tmp)
+            if r:
+                plain_s.append(t_plain)
+                trainer_s.append(t_trainer)
+    plain_tp = steps * batch_samples / min(plain_s)
+    trainer_tp = steps * batch_samples / min(trainer_s)
+    return {
+        "overrides": overrides, "device": str(device), "steps": steps, "repeats": repeats,
+        "plain_samples_per_s": plain_tp, "trainer_samples_per_s": trainer_tp, "ratio": trainer_tp / plain_tp,
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m testbed.bench.overhead", description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=cnn data.batch_size=64")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    result = measure(args.overrides, args.steps, args.repeats)
+    print(
+        f"{' '.join(args.overrides) or 'defaults'} on {result['device']}: plain {result['plain_samples_per_s']:.1f}"
+        f" samples/s, trainer {result['trainer_samples_per_s']:.1f} samples/s, ratio {result['ratio']:.3f}"
+    )
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
