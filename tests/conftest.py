@@ -22,7 +22,12 @@ def cli_env() -> dict[str, str]:
 
 
 def run_cli(args: list[str], cwd: Path, timeout: float = 300, module: str = "testbed") -> subprocess.CompletedProcess:
-    """``python -m testbed <args>`` as a user would type it; output captured."""
+    """``python -m testbed <args>`` as a user would type it; output captured.
+
+    Runs pin ``device=cpu`` unless they name a device, so the CPU suite means the same on a GPU machine.
+    """
+    if module == "testbed" and not any(a.startswith(("device=", "--")) for a in args):
+        args = [*args, "device=cpu"]
     return subprocess.run(
         [sys.executable, "-m", module, *args], cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout
     )

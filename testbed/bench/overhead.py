@@ -59,6 +59,7 @@ def measure(overrides: list[str], steps: int, repeats: int) -> dict:
     bf16 = str(cfg.precision) in ("bf16", "Precision.bf16")
     torch.manual_seed(cfg.seed)
     spec, batches = build_data(cfg.data, config.per_rank_batch(cfg), 0, 1, cfg.seed)
+    batches.to(device)
     batch_samples = config.per_rank_batch(cfg)
 
     def fresh():

@@ -50,8 +50,13 @@ class RankBatches:
             pos += take
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
+    def to(self, device: torch.device) -> "RankBatches":
+        """Keep the data set on ``device`` (it is small), so a batch is one gather with no host copy."""
+        self.inputs, self.targets = self.inputs.to(device), self.targets.to(device)
+        return self
+
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = self.indices(step)
+        idx = self.indices(step).to(self.inputs.device, non_blocking=True)
         return self.inputs[idx], self.targets[idx]
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -52,6 +52,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str) -> Optional[dict[str, Any
         torch.set_num_threads(threads)
         torch.manual_seed(cfg.seed)  # identical initial replicas on every rank
         spec, batches = build_data(cfg.data, config.per_rank_batch(cfg), world.rank, world.world_size, cfg.seed)
+        batches.to(world.device)
         model = build_model(cfg.model, spec).to(world.device)
         optimizer = build_optimizer(cfg.optim, model.parameters())
         sync.setup(model, optimizer, world)
