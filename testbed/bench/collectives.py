@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from testbed.collectives import ring_allreduce_, tree_allreduce_
+from testbed.collectives.tree import SCRATCH_CHUNKS
 
 IMPLS = ("native", "ring", "tree")
 
@@ -52,7 +53,7 @@ def _impl(name: str, numel: int, device: torch.device, tree_chunk_elems: int) ->
         scratch = torch.empty(-(-numel // dist.get_world_size()), device=device)
         return lambda buf: ring_allreduce_(buf, scratch=scratch) and None
     if name == "tree":
-        scratch = torch.empty(4 * tree_chunk_elems, device=device)
+        scratch = torch.empty(SCRATCH_CHUNKS * tree_chunk_elems, device=device)
         return lambda buf: tree_allreduce_(buf, chunk_elems=tree_chunk_elems, scratch=scratch) and None
     raise ValueError(f"--impls: unknown {name!r}; allowed: {','.join(IMPLS)}")
 

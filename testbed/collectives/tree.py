@@ -54,6 +54,10 @@ def dtree(n: int, rank: int) -> list[tuple[int, list[int]]]:
     return [first, (relabel(parent), [relabel(c) for c in children])]
 
 
+# Scratch chunks: two trees x two children x two buffers (the chunk being added, the next arriving).
+SCRATCH_CHUNKS = 8
+
+
 @dataclass
 class _Lane:
     """One tree carrying one segment of the buffer."""
@@ -74,7 +78,7 @@ def tree_allreduce_(
 ) -> Traffic:
     """Sum ``buf`` (1-D, contiguous) across ``group`` in place.
 
-    ``scratch`` needs 4 * chunk_elems elements (two trees, two children each) and is reused when given.
+    ``scratch`` needs ``SCRATCH_CHUNKS * chunk_elems`` elements and is reused when given.
     """
     n = dist.get_world_size(group)
     rank = dist.get_rank(group)
@@ -88,49 +92,59 @@ def tree_allreduce_(
     for i, ((parent, children), segment) in enumerate(zip(trees, segments)):
         count = max(1, -(-segment.numel() // chunk_elems))
         lanes.append(_Lane(glob(parent), [glob(c) for c in children], segment, chunk_bounds(segment.numel(), count), 2 * i))
-    if scratch is None or scratch.numel() < 4 * chunk_elems or scratch.dtype != buf.dtype:
-        scratch = torch.empty(4 * chunk_elems, dtype=buf.dtype, device=buf.device)
+    if scratch is None or scratch.numel() < SCRATCH_CHUNKS * chunk_elems or scratch.dtype != buf.dtype:
+        scratch = torch.empty(SCRATCH_CHUNKS * chunk_elems, dtype=buf.dtype, device=buf.device)
     esize = buf.element_size()
-    pending: list[dist.Work] = []
     rounds = max(len(lane.chunks) for lane in lanes)
+    # Chunks in the order every rank processes them: round-robin over the lanes.
+    order = [(li, c) for c in range(rounds) for li, lane in enumerate(lanes) if c < len(lane.chunks)]
+    order = [(li, c) for li, c in order if lanes[li].chunks[c][1] > lanes[li].chunks[c][0]]
+    pending: list[dist.Work] = []
 
-    # Reduce: receive each chunk from the children, add, pass it up without waiting for the send.
-    for c in range(rounds):
-        for li, lane in enumerate(lanes):
-            if c >= len(lane.chunks):
-                continue
-            lo, hi = lane.chunks[c]
-            part = lane.segment[lo:hi]
-            if not part.numel():
-                continue
-            slots = [scratch[(2 * li + k) * chunk_elems :][: part.numel()] for k in range(len(lane.children))]
-            works = [dist.irecv(slot, child, group, tag=lane.tag) for slot, child in zip(slots, lane.children)]
-            for work, slot in zip(works, slots):
-                work.wait()
-                part.add_(slot)
-                traffic.recv += part.numel() * esize
-            if lane.parent >= 0:
-                pending.append(dist.isend(part, lane.parent, group, tag=lane.tag))
-                traffic.sent += part.numel() * esize
+    def part(li: int, c: int) -> torch.Tensor:
+        lo, hi = lanes[li].chunks[c]
+        return lanes[li].segment[lo:hi]
+
+    def post_reduce_recvs(li: int, c: int) -> list[tuple[dist.Work, torch.Tensor]]:
+        # Double-buffered: chunk c lands in slot parity c % 2, so chunk c + 1 can arrive while c is added.
+        size = part(li, c).numel()
+        posted = []
+        for k, child in enumerate(lanes[li].children):
+            slot = scratch[((li * 2 + k) * 2 + c % 2) * chunk_elems :][:size]
+            posted.append((dist.irecv(slot, child, group, tag=lanes[li].tag), slot))
+            traffic.recv += size * esize
+        return posted
+
+    # Reduce: add the children's chunk, pass it up without waiting for the send; the next chunk's
+    # receives are posted before this one is waited for, so the links never idle between chunks.
+    posted = post_reduce_recvs(*order[0])
+    for i, (li, c) in enumerate(order):
+        following = post_reduce_recvs(*order[i + 1]) if i + 1 < len(order) else []
+        target = part(li, c)
+        for work, slot in posted:
+            work.wait()
+            target.add_(slot)
+        if lanes[li].parent >= 0:
+            pending.append(dist.isend(target, lanes[li].parent, group, tag=lanes[li].tag))
+            traffic.sent += target.numel() * esize
+        posted = following
     for work in pending:
         work.wait()
     pending.clear()
 
-    # Broadcast: receive each finished chunk from the parent and pass it down.
-    for c in range(rounds):
-        for lane in lanes:
-            if c >= len(lane.chunks):
-                continue
-            lo, hi = lane.chunks[c]
-            part = lane.segment[lo:hi]
-            if not part.numel():
-                continue
-            if lane.parent >= 0:
-                dist.irecv(part, lane.parent, group, tag=lane.tag + 1).wait()
-                traffic.recv += part.numel() * esize
-            for child in lane.children:
-                pending.append(dist.isend(part, child, group, tag=lane.tag + 1))
-                traffic.sent += part.numel() * esize
+    # Broadcast: every chunk is received straight into place, so all receives are posted at once;
+    # each chunk goes down to the children as soon as it has arrived.
+    arriving = {}
+    for li, c in order:
+        if lanes[li].parent >= 0:
+            arriving[li, c] = dist.irecv(part(li, c), lanes[li].parent, group, tag=lanes[li].tag + 1)
+            traffic.recv += part(li, c).numel() * esize
+    for li, c in order:
+        if (li, c) in arriving:
+            arriving[li, c].wait()
+        for child in lanes[li].children:
+            pending.append(dist.isend(part(li, c), child, group, tag=lanes[li].tag + 1))
+            traffic.sent += part(li, c).numel() * esize
     for work in pending:
         work.wait()
     return traffic

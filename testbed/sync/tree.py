@@ -7,6 +7,7 @@ from typing import Any, Optional
 import torch
 
 from testbed.collectives import tree_allreduce_
+from testbed.collectives.tree import SCRATCH_CHUNKS
 from testbed.sync import register
 from testbed.sync.base import FlatGradSynchronizer
 
@@ -17,7 +18,7 @@ class TreeAllReduce(FlatGradSynchronizer):
         return max(1, self.cfg.chunk_kb * 1024 // flat.element_size())
 
     def make_scratch(self, flat: torch.Tensor) -> torch.Tensor:
-        return torch.empty(4 * self._chunk_elems(flat), dtype=flat.dtype, device=flat.device)
+        return torch.empty(SCRATCH_CHUNKS * self._chunk_elems(flat), dtype=flat.dtype, device=flat.device)
 
     def allreduce_(self, flat: torch.Tensor, scratch: Optional[torch.Tensor]) -> tuple[int, int]:
         traffic = tree_allreduce_(flat, chunk_elems=self._chunk_elems(flat), double=self.cfg.double, scratch=scratch)
