@@ -39,6 +39,8 @@ def run_job(cfg: DictConfig) -> Optional[dict[str, Any]]:
         if summary is None:
             return None
     else:
+        log.info("spawning %d rank(s): sync=%s model=%s data=%s -> %s", cfg.world_size, cfg.sync.name,
+                 cfg.model.name, cfg.data.name, job_dir)  # fmt: skip
         try:
             results = spawn_world(
                 rank_main, (plain, str(job_dir)), cfg.world_size, job_dir / "logs",

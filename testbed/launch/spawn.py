@@ -59,7 +59,8 @@ def spawn_world(
             log_dir=str(log_dir), redirects=Std.ALL, tee={0: Std.ALL} if echo_rank0 else Std.NONE
         ),
     )
-    # The agent would otherwise re-use a stale OMP/threads setting from the parent; ranks set their own.
+    # Ranks size their own thread pools (threads_per_rank); one OpenMP thread until then keeps n
+    # ranks importing torch at once from oversubscribing the cores.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         return elastic_launch(config, entry)(*args)
@@ -74,5 +75,8 @@ def spawn_world(
 
 
 def _last_line(message: Any) -> str:
+    # The error file of a rank that raised holds {"message": "<Type>: <text>", "extraInfo": {...}}.
+    if isinstance(message, dict):
+        message = message.get("message", "")
     text = str(message or "").strip()
     return text.splitlines()[-1] if text else ""

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from testbed import config
 
 from testbed.results.step_log import metrics_path, read_step_log
+from testbed.sync import REGISTRY
 from testbed.timing import PHASES, compute_time, fill_wait, percentile
 
 
@@ -115,8 +116,6 @@ def failed_summary(job_dir: Path, cfg: dict[str, Any], message: str, rank: Optio
     records = [read_step_log(metrics_path(job_dir, r)) for r in range(int(cfg["world_size"]))]
     records = [recs for recs in records if recs]
     if records:
-        from testbed.sync import REGISTRY
-
         cls = REGISTRY.get(cfg["sync"]["name"])
         fill_wait(records, waits_for_peers=bool(cls and cls.waits_for_peers))
     return summarize(cfg, records, status="failed", error={"message": message, "rank": rank})
