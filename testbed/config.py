@@ -77,6 +77,21 @@ class TreeSyncConfig:
     double: bool = True
 
 
+PS_MODES = ("sync", "async", "ssp")
+
+
+@dataclass
+class PsSyncConfig:
+    name: str = "ps"
+    mode: str = "sync"  # sync (BSP) | async (ASP) | ssp (bounded staleness)
+    staleness: int = 2  # ssp: how many clocks a worker may lead the slowest one
+    servers: int = 1  # shards; parameters are split into this many byte-balanced ranges
+    chunk_kb: int = 1024  # streamed chunk size
+    host: str = "127.0.0.1"  # address local servers bind to
+    # Servers started elsewhere (python -m testbed.ps.server); empty: the launcher starts them here.
+    addresses: list[str] = field(default_factory=list)
+
+
 # --- model group ------------------------------------------------------------------------------
 
 
@@ -180,6 +195,7 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
         "allreduce": AllReduceSyncConfig,
         "ring": RingSyncConfig,
         "tree": TreeSyncConfig,
+        "ps": PsSyncConfig,
     },
     "model": {"mlp": MlpConfig, "cnn": CnnConfig, "transformer": TransformerConfig},
     "data": {"synthetic": DataConfig, "lm": DataConfig, "digits": DataConfig},
@@ -270,6 +286,8 @@ def validate(cfg: DictConfig, local_world_size: Optional[int] = None) -> None:
         )
     if cfg.sync.name == "tree":
         _require(cfg.sync.chunk_kb >= 1, f"sync.chunk_kb={cfg.sync.chunk_kb}: must be >= 1")
+    if cfg.sync.name == "ps":
+        _validate_ps(cfg)
 
     device = _enum_value(cfg.device)
     backend = _enum_value(cfg.backend)
@@ -292,6 +310,22 @@ def validate(cfg: DictConfig, local_world_size: Optional[int] = None) -> None:
     _require(
         _enum_value(cfg.precision) == "fp32" or resolved_device(cfg) == "cuda",
         "precision=bf16 (autocast) is for CUDA; use precision=fp32 on CPU",
+    )
+
+
+def _validate_ps(cfg: DictConfig) -> None:
+    ps = cfg.sync
+    _require(ps.mode in PS_MODES, f"sync.mode={ps.mode}: allowed: {'|'.join(PS_MODES)}")
+    _require(ps.servers >= 1, f"sync.servers={ps.servers}: must be >= 1")
+    _require(ps.staleness >= 0, f"sync.staleness={ps.staleness}: must be >= 0")
+    _require(1 <= ps.chunk_kb <= 4096, f"sync.chunk_kb={ps.chunk_kb}: must be in [1, 4096] (chunks stay under the message limit)")
+    _require(
+        not ps.addresses or len(ps.addresses) == ps.servers,
+        f"sync.addresses has {len(ps.addresses)} entries but sync.servers={ps.servers}; give one host:port per server",
+    )
+    _require(
+        resolved_device(cfg) == "cpu",
+        "sync=ps exchanges host memory: use device=cpu (staging CUDA tensors through the host is not built yet)",
     )
 
 

@@ -16,6 +16,8 @@ the time it sat in sync only because slower ranks had not arrived yet; ``t_sync 
 transfer itself. No barrier is added to measure it: the enter times are exchanged once, after the
 last step (``fill_wait``), so per-step lines are written with ``t_wait: null`` while the run is in
 progress and completed when it ends. For synchronizers that do not wait for peers, ``t_wait`` is 0.
+A synchronizer may measure the wait itself (a parameter server reports how long it held each pull
+back for slower workers); then its value is recorded as is.
 """
 
 from __future__ import annotations
@@ -84,20 +86,17 @@ class StepClock:
 def fill_wait(records_by_rank: list[list[dict[str, Any]]], waits_for_peers: bool) -> None:
     """Set ``t_wait`` in every record, in place, from the enter times of all ranks (see module doc).
 
-    Steps that not every rank completed (a failed run) keep ``t_wait: None``.
+    Records that already carry a ``t_wait`` (measured by the synchronizer) keep it. Steps that not
+    every rank completed (a failed run) keep ``t_wait: None``.
     """
     by_step: list[dict[int, dict[str, Any]]] = [{r["step"]: r for r in recs} for recs in records_by_rank]
     common = set(by_step[0]).intersection(*by_step[1:]) if by_step else set()
-    for step_records in by_step:
-        for step, rec in step_records.items():
-            rec["t_wait"] = 0.0 if step in common else None
-    if not waits_for_peers:
-        return
     for step in common:
         latest = max(ranks[step]["t_sync_enter"] for ranks in by_step)
         for ranks in by_step:
             rec = ranks[step]
-            rec["t_wait"] = min(max(latest - rec["t_sync_enter"], 0.0), rec["t_sync"])
+            if rec.get("t_wait") is None:  # a synchronizer's own measurement is kept
+                rec["t_wait"] = min(max(latest - rec["t_sync_enter"], 0.0), rec["t_sync"]) if waits_for_peers else 0.0
 
 
 def compute_time(record: dict[str, Any]) -> float:

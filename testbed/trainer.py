@@ -85,7 +85,8 @@ class Trainer:
                 "t_forward": phases["forward"],
                 "t_backward": phases["backward"],
                 "t_sync": phases["sync"],
-                "t_wait": None,  # completed after the run from all ranks' enter times (testbed.timing)
+                # None: completed after the run from all ranks' arrival times (testbed.timing)
+                "t_wait": report.t_wait,
                 "t_optimizer": phases["optimizer"],
                 "t_step": times.step,
                 "bytes_sent": report.bytes_sent,

@@ -11,7 +11,7 @@ from testbed.timing import PHASES, StepClock, compute_time, fill_wait, percentil
 
 
 def rec(step: int, enter: float, t_sync: float) -> dict:
-    return {"step": step, "t_sync_enter": enter, "t_sync": t_sync}
+    return {"step": step, "t_sync_enter": enter, "t_sync": t_sync, "t_wait": None}
 
 
 def test_wait_is_latest_arrival_minus_own() -> None:
@@ -62,3 +62,9 @@ def test_compute_excludes_sync_and_percentiles_interpolate() -> None:
     assert compute_time(r) == 10.0
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([], 50) is None
+
+
+def test_a_synchronizers_own_wait_is_kept() -> None:
+    ranks = [[{**rec(0, 0.0, 0.5), "t_wait": 0.125}], [{**rec(0, 1.0, 0.5), "t_wait": 0.0}]]
+    fill_wait(ranks, waits_for_peers=False)
+    assert ranks[0][0]["t_wait"] == 0.125 and ranks[1][0]["t_wait"] == 0.0

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Optional
 
@@ -15,6 +17,8 @@ from testbed import config
 from testbed.launch.existing import surrounding_world
 from testbed.launch.rank import rank_main
 from testbed.launch.spawn import RankFailure, spawn_world
+from testbed.ps.launch import LocalServers, ServerStartError
+from testbed.ps.wire import TOKEN_ENV
 from testbed.results.summary import failed_summary, summarize, write_summary
 from testbed.results.table import format_table, summary_row
 
@@ -39,23 +43,38 @@ def run_job(cfg: DictConfig) -> Optional[dict[str, Any]]:
         if summary is None:
             return None
     else:
-        log.info("spawning %d rank(s): sync=%s model=%s data=%s -> %s", cfg.world_size, cfg.sync.name,
-                 cfg.model.name, cfg.data.name, job_dir)  # fmt: skip
-        try:
+        summary = _spawn(cfg, plain, job_dir)
+    print(format_table([summary_row(summary)]), flush=True)
+    if summary["status"] != "ok" and not multirun:
+        sys.exit(1)
+    return summary
+
+
+def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path) -> dict[str, Any]:
+    """Start the parameter servers when the run needs them, then the ranks; stop all, whatever happens."""
+    log.info("spawning %d rank(s): sync=%s model=%s data=%s -> %s", cfg.world_size, cfg.sync.name,
+             cfg.model.name, cfg.data.name, job_dir)  # fmt: skip
+    needs_servers = cfg.sync.name == "ps" and not cfg.sync.addresses
+    servers = LocalServers(plain["sync"], plain["optim"], cfg.world_size, job_dir / "logs") if needs_servers else None
+    try:
+        with servers or nullcontext():
+            if servers is not None:
+                plain["sync"]["addresses"] = servers.addresses
+                os.environ[TOKEN_ENV] = servers.token  # inherited by the ranks; kept out of the config
+                log.info("parameter servers up: %s", ", ".join(servers.addresses))
             results = spawn_world(
                 rank_main, (plain, str(job_dir)), cfg.world_size, job_dir / "logs",
                 rendezvous_timeout_s=cfg.timeouts.rendezvous_s, echo_rank0=cfg.launcher.echo_rank0,
                 monitor_interval_s=cfg.launcher.monitor_interval_s,
             )  # fmt: skip
-            summary = results[0]
-        except RankFailure as failure:
-            summary = failed_summary(job_dir, plain, failure.message, failure.rank)
-            write_summary(job_dir, summary)
-            log.error("run failed: %s (results so far kept in %s)", failure, job_dir)
-    print(format_table([summary_row(summary)]), flush=True)
-    if summary["status"] != "ok" and not multirun:
-        sys.exit(1)
-    return summary
+            return results[0]
+    except (RankFailure, ServerStartError) as failure:
+        rank = failure.rank if isinstance(failure, RankFailure) else None
+        message = failure.message if isinstance(failure, RankFailure) else str(failure)
+        summary = failed_summary(job_dir, plain, message, rank)
+        write_summary(job_dir, summary)
+        log.error("run failed: %s (results so far kept in %s)", failure, job_dir)
+        return summary
 
 
 def _check_joined(cfg: DictConfig, joined: tuple[int, int, int, int], hydra_cfg: Any, multirun: bool) -> None:
@@ -66,6 +85,11 @@ def _check_joined(cfg: DictConfig, joined: tuple[int, int, int, int], hydra_cfg:
         raise config.ConfigError(
             f"world_size={cfg.world_size} but the surrounding torchrun/Slurm world has {world_size} ranks; "
             f"set world_size={world_size}"
+        )
+    if cfg.sync.name == "ps" and not cfg.sync.addresses:
+        raise config.ConfigError(
+            "sync=ps inside torchrun/Slurm: start the servers with python -m testbed.ps.server and pass "
+            "sync.addresses=[host:port,...] (and TESTBED_PS_TOKEN on servers and workers)"
         )
     if world_size > 1 and not any(o.startswith("hydra.run.dir=") for o in hydra_cfg.overrides.hydra):
         raise config.ConfigError(

@@ -65,6 +65,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str) -> Optional[dict[str, Any
             records = trainer.run()
         finally:
             step_log.close()  # everything written before the exchange (or the crash report)
+        sync.finalize()
         return _finish(cfg, plain_cfg, world, model, sync, step_log, records, Path(job_dir))
     finally:
         sync.close()

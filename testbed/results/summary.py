@@ -6,6 +6,7 @@ import hashlib
 import json
 import platform
 import statistics
+from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
 
@@ -92,6 +93,9 @@ def summarize(
     sent = [sum(r["bytes_sent"] for r in row) for row in rows]
     summary["bytes_per_step"] = (statistics.median(sent) / world_size) if sent else None  # per rank
     summary["bytes_per_step_total"] = statistics.median(sent) if sent else None
+    staleness = Counter(r["staleness"] for recs in records_by_rank for r in recs if r.get("staleness") is not None)
+    if staleness:  # every update applied, warm-up included: index = staleness, value = count
+        summary["staleness_histogram"] = [staleness.get(s, 0) for s in range(max(staleness) + 1)]
     last = [recs[-1] for recs in records_by_rank if recs]
     summary["final_loss"] = statistics.fmean(r["loss"] for r in last) if last else None
     summary["loss_first"] = statistics.fmean(recs[0]["loss"] for recs in records_by_rank if recs) if last else None

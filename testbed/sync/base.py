@@ -18,7 +18,10 @@ class SyncReport:
 
     bytes_sent: int = 0
     bytes_recv: int = 0
-    staleness: Optional[int] = None  # parameter servers: clocks between pull and apply
+    staleness: Optional[int] = None  # parameter servers: versions between pull and apply
+    # Time blocked on slower ranks, when the synchronizer measures it itself (parameter servers);
+    # None: derived from all ranks' arrival times after the run (testbed.timing).
+    t_wait: Optional[float] = None
 
 
 class Synchronizer(ABC):
@@ -31,7 +34,8 @@ class Synchronizer(ABC):
 
     name: ClassVar[str]
     # True when the call blocks until every rank has arrived, so that t_wait (time spent waiting for
-    # slower ranks) is defined as in testbed.timing; False for no communication or async modes.
+    # slower ranks) is derived from arrival times as in testbed.timing; False when it never waits
+    # or reports its own t_wait.
     waits_for_peers: ClassVar[bool] = True
     steps_optimizer: ClassVar[bool] = False
 
@@ -44,6 +48,9 @@ class Synchronizer(ABC):
     @abstractmethod
     def after_backward(self, step: int, is_boundary: bool = True) -> SyncReport:
         """Synchronize this step's gradients; ``is_boundary`` is False on accumulation micro-steps."""
+
+    def finalize(self) -> None:
+        """After the last step, before results are written: bring replicas to the final model."""
 
     def zero_grad(self) -> None:
         """Clear the gradients for the next step; synchronizers that own gradient memory override it."""

@@ -1,0 +1,125 @@
+"""A worker's connection to all parameter-server shards: push and pull every shard concurrently.
+
+Channels are created in the rank process, after it was spawned (gRPC and fork do not mix). Every
+call has a deadline; failures name the shard, its address and the gRPC status.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+import grpc
+import torch
+
+from testbed.ps import parameter_server_pb2 as pb
+from testbed.ps import parameter_server_pb2_grpc as pb_grpc
+from testbed.ps.wire import CHANNEL_OPTIONS, auth_metadata, byte_view, chunks, copy_in
+
+T = TypeVar("T")
+
+
+class PsError(RuntimeError):
+    """A failed call to one shard: ``ps shard <i> at <address>: <STATUS>: <details>``."""
+
+
+@dataclass
+class PullResult:
+    versions: list[int]
+    blocked_s: float  # longest time a shard held the pull back for slower workers (sync, ssp)
+    slowest_clock: int  # the slowest worker's clock when the pull was released (min over shards)
+
+
+class PsClient:
+    def __init__(self, addresses: list[str], token: str, worker: int, timeout_s: float, chunk_bytes: int) -> None:
+        self.addresses, self.worker, self.timeout_s, self.chunk_bytes = addresses, worker, timeout_s, chunk_bytes
+        self.metadata = auth_metadata(token)
+        self.channels = [grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in addresses]
+        self.stubs = [pb_grpc.ParameterServerStub(c) for c in self.channels]
+        self.pool = ThreadPoolExecutor(max_workers=len(addresses), thread_name_prefix="ps-client")
+        self._views: dict[int, memoryview] = {}
+
+    def _call(self, shard: int, what: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except grpc.RpcError as err:
+            raise PsError(
+                f"ps shard {shard} at {self.addresses[shard]}: {what}: {err.code().name}: {err.details()}"
+            ) from None
+
+    def _each(self, fn: Callable[[int], T]) -> list[T]:
+        """``fn(shard)`` for every shard concurrently; the first failure is raised."""
+        return [f.result() for f in [self.pool.submit(fn, i) for i in range(len(self.stubs))]]
+
+    def _view(self, flat: torch.Tensor) -> memoryview:
+        # Byte views of the preallocated buffers are made once and reused every step.
+        key = flat.data_ptr()
+        if key not in self._views:
+            self._views[key] = byte_view(flat)
+        return self._views[key]
+
+    def register(self, wait_s: float) -> list[pb.ShardInfo]:
+        """Wait (up to ``wait_s``) until every shard answers; return their descriptions."""
+        request = pb.RegisterRequest(worker=self.worker)
+        return self._each(lambda i: self._call(i, "Register", lambda: self.stubs[i].Register(
+            request, timeout=wait_s, metadata=self.metadata, wait_for_ready=True)))  # fmt: skip
+
+    def init_params(self, shards: list[torch.Tensor]) -> list[pb.ShardInfo]:
+        def send(i: int) -> pb.ShardInfo:
+            # InitParams carries the shard's size in every chunk's step field.
+            stream = chunks(shards[i], i, self.worker, shards[i].numel(), self.chunk_bytes, self._view(shards[i]))
+            return self._call(i, "InitParams", lambda: self.stubs[i].InitParams(stream, timeout=self.timeout_s, metadata=self.metadata))
+
+        return self._each(send)
+
+    def push(self, grads: list[torch.Tensor], base_versions: list[int]) -> list[pb.PushReply]:
+        def send(i: int) -> pb.PushReply:
+            stream = chunks(grads[i], i, self.worker, base_versions[i], self.chunk_bytes, self._view(grads[i]))
+            return self._call(i, "Push", lambda: self.stubs[i].Push(stream, timeout=self.timeout_s, metadata=self.metadata))
+
+        return self._each(send)
+
+    def pull(self, params: list[torch.Tensor], clock: int) -> PullResult:
+        def receive(i: int) -> tuple[int, float, int]:
+            def run() -> tuple[int, float, int]:
+                call = self.stubs[i].Pull(pb.PullRequest(worker=self.worker, shard=i, clock=clock),
+                                          timeout=self.timeout_s, metadata=self.metadata)  # fmt: skip
+                version, received = -1, 0
+                for chunk in call:
+                    copy_in(params[i], chunk.offset, chunk.data)
+                    version, received = chunk.step, received + chunk.length
+                if received != params[i].numel():
+                    raise PsError(f"ps shard {i} at {self.addresses[i]}: Pull: got {received} of {params[i].numel()} elements")
+                meta = dict(call.initial_metadata())
+                return version, float(meta.get("blocked-seconds", 0.0)), int(meta.get("slowest-clock", 0))
+
+            return self._call(i, "Pull", run)
+
+        results = self._each(receive)
+        return PullResult([r[0] for r in results], max(r[1] for r in results), min(r[2] for r in results))
+
+    def clock(self, shard: int, advance: bool = False) -> pb.ClockReply:
+        request = pb.ClockRequest(worker=self.worker, advance=advance)
+        return self._call(shard, "Clock", lambda: self.stubs[shard].Clock(request, timeout=self.timeout_s, metadata=self.metadata))
+
+    def stats(self) -> list[pb.StatsReply]:
+        return self._each(lambda i: self._call(i, "Stats", lambda: self.stubs[i].Stats(
+            pb.StatsRequest(), timeout=self.timeout_s, metadata=self.metadata)))  # fmt: skip
+
+    def shutdown(self) -> None:
+        self._each(lambda i: self._call(i, "Shutdown", lambda: self.stubs[i].Shutdown(
+            pb.ShutdownRequest(), timeout=self.timeout_s, metadata=self.metadata)))  # fmt: skip
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        for channel in self.channels:
+            channel.close()
+
+
+def describe_stats(stats: list[pb.StatsReply]) -> list[dict[str, Any]]:
+    return [
+        {"version": s.version, "pushes": s.pushes, "pulls": s.pulls, "rejected": s.rejected, "bytes_in": s.bytes_in,
+         "bytes_out": s.bytes_out, "apply_seconds": s.apply_seconds, "staleness_histogram": list(s.staleness_histogram)}
+        for s in stats
+    ]  # fmt: skip

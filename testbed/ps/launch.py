@@ -1,0 +1,113 @@
+"""Start the parameter-server shards of one run on this machine, and stop them, whatever happens.
+
+Each shard is a fresh ``python -m testbed.ps.server`` process (not a fork: gRPC and fork do not
+mix), bound to loopback unless ``sync.host`` says otherwise, on a port it picks itself. The run
+is healthy when every shard answers the standard gRPC health check with SERVING.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from testbed.ps.wire import TOKEN_ENV
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+class LocalServers:
+    """k shard processes; use as a context manager so they are stopped also when the run fails."""
+
+    def __init__(self, sync_cfg: dict[str, Any], optim_cfg: dict[str, Any], workers: int, log_dir: Path) -> None:
+        self.sync_cfg, self.optim_cfg, self.workers, self.log_dir = sync_cfg, optim_cfg, workers, log_dir
+        self.token = secrets.token_hex(16)
+        self.procs: list[subprocess.Popen] = []
+        self.addresses: list[str] = []
+
+    def __enter__(self) -> "LocalServers":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, TOKEN_ENV: self.token, "OMP_NUM_THREADS": "1"}
+        host = self.sync_cfg["host"]
+        port_files = []
+        for shard in range(self.sync_cfg["servers"]):
+            port_file = self.log_dir / f"ps{shard}.port"
+            port_file.unlink(missing_ok=True)
+            port_files.append(port_file)
+            cmd = [
+                sys.executable, "-m", "testbed.ps.server", "--shard", str(shard), "--workers", str(self.workers),
+                "--mode", self.sync_cfg["mode"], "--staleness", str(self.sync_cfg["staleness"]),
+                "--optim", json.dumps(self.optim_cfg), "--host", host, "--port", "0",
+                "--port-file", str(port_file), "--chunk-kb", str(self.sync_cfg["chunk_kb"]),
+            ]  # fmt: skip
+            log = open(self.log_dir / f"ps{shard}.log", "w")
+            self.procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+            log.close()
+        deadline = time.monotonic() + timeout_s
+        for shard, (proc, port_file) in enumerate(zip(self.procs, port_files)):
+            while not port_file.exists():
+                if proc.poll() is not None:
+                    raise ServerStartError(f"ps shard {shard} exited with code {proc.returncode}; see {self.log_dir}/ps{shard}.log")
+                if time.monotonic() > deadline:
+                    raise ServerStartError(f"ps shard {shard} did not start within {timeout_s:.0f}s; see {self.log_dir}/ps{shard}.log")
+                time.sleep(0.05)
+            self.addresses.append(f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port_file.read_text()}")
+        for shard, address in enumerate(self.addresses):
+            wait_healthy(address, max(1.0, deadline - time.monotonic()), f"ps shard {shard}")
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Terminate every shard (SIGTERM, then SIGKILL after ``grace_s``) and reap it."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+
+def wait_healthy(address: str, timeout_s: float, name: str) -> None:
+    """Block until ``address`` reports SERVING on the standard gRPC health service."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0, wait_for_ready=True)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError as err:
+                last = f"{err.code().name}: {err.details()}"
+            else:
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            if time.monotonic() > deadline:
+                raise ServerStartError(f"{name} at {address} not healthy within {timeout_s:.0f}s ({last})")
+            time.sleep(0.05)

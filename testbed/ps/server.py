@@ -1,0 +1,402 @@
+"""One parameter-server shard: a flat range of the parameters and the optimizer that updates it.
+
+Modes (``--mode``):
+- ``sync`` (BSP): pushes for a step are staged until all workers have pushed; then their mean is
+  applied in one optimizer step and the waiting pulls are released. This is all-reduce training.
+- ``async`` (ASP): each push is applied on arrival, scaled by 1/workers so that a round of pushes
+  moves the parameters as far as one synchronous step.
+- ``ssp``: applied on arrival as in async, but a worker's pull blocks while its clock (pushes made)
+  is more than ``--staleness`` ahead of the slowest worker's.
+
+The staleness of an applied update is the number of versions applied between the version the
+gradient was computed on and its own application. Every message is validated before it touches
+state; a bad one is refused with INVALID_ARGUMENT (or FAILED_PRECONDITION) and the shard goes on
+serving. Calls without the run's token are refused with UNAUTHENTICATED.
+
+Run one shard:  TESTBED_PS_TOKEN=... python -m testbed.ps.server --shard 0 --workers 4 --mode sync
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from concurrent import futures
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from omegaconf import OmegaConf
+
+from testbed.optim import build_optimizer
+from testbed.ps import parameter_server_pb2 as pb
+from testbed.ps import parameter_server_pb2_grpc as pb_grpc
+from testbed.ps.wire import CHANNEL_OPTIONS, FROM_WIRE, TO_WIRE, TOKEN_HEADER, byte_view, chunks, copy_in, token_from_env
+
+log = logging.getLogger("testbed.ps.server")
+MODES = ("sync", "async", "ssp")
+
+
+class Refused(Exception):
+    """A request that must not change any state; carries the status code to answer with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Shard:
+    """The state of one shard and its update rules; all methods are safe to call from many threads."""
+
+    def __init__(self, shard: int, workers: int, mode: str, staleness: int, optim_cfg: Any, chunk_bytes: int) -> None:
+        self.shard, self.workers, self.mode, self.staleness = shard, workers, mode, staleness
+        self.optim_cfg, self.chunk_bytes = optim_cfg, chunk_bytes
+        self.cond = threading.Condition()
+        self.params: Optional[torch.nn.Parameter] = None
+        self.version = 0
+        self.clocks = [0] * workers
+        self.pending: set[int] = set()  # sync: workers whose push for the current step is staged
+        self.pushing: set[int] = set()  # workers with a push stream in progress
+        self.histogram: Counter[int] = Counter()
+        self.stats = Counter()  # bytes_in, bytes_out, pushes, pulls, rejected
+        self.apply_seconds = 0.0
+
+    # --- initialisation -----------------------------------------------------------------------
+
+    def init_params(self, stream: Iterator[pb.TensorChunk]) -> None:
+        first = next(stream, None)
+        if first is None:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "InitParams: empty stream")
+        with self.cond:
+            if self.params is not None:
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"shard {self.shard} is already initialised")
+            if first.dtype not in FROM_WIRE or first.step == 0:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "InitParams: need a dtype and the shard size in step")
+            numel, dtype = int(first.step), FROM_WIRE[first.dtype]
+            values = torch.empty(numel, dtype=dtype)
+            expected = 0
+            for chunk in _chain(first, stream):
+                self._check_chunk(chunk, expected, numel, dtype, worker_bound=1)
+                if chunk.step != numel:
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "InitParams: every chunk must carry the same size")
+                copy_in(values, chunk.offset, chunk.data)
+                expected += chunk.length
+            if expected != numel:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"InitParams: got {expected} of {numel} elements")
+            # Preallocated once: the parameters, the gradient the optimizer reads, each worker's
+            # staged push, and (async/ssp) each worker's pull snapshot.
+            self.params = torch.nn.Parameter(values)
+            self.params.grad = torch.zeros_like(values)
+            self.optimizer = build_optimizer(self.optim_cfg, [self.params])
+            self.staging = torch.zeros(self.workers, numel, dtype=dtype)
+            self.snapshots = torch.zeros(self.workers, numel, dtype=dtype) if self.mode != "sync" else None
+            self.stats["bytes_in"] += numel * values.element_size()
+
+    def info(self) -> pb.ShardInfo:
+        with self.cond:
+            numel = 0 if self.params is None else self.params.numel()
+            dtype = 0 if self.params is None else TO_WIRE[self.params.dtype]
+            return pb.ShardInfo(shard=self.shard, workers=self.workers, numel=numel, dtype=dtype, mode=self.mode,
+                                staleness=self.staleness, version=self.version)  # fmt: skip
+
+    # --- push ---------------------------------------------------------------------------------
+
+    def push(self, stream: Iterator[pb.TensorChunk]) -> pb.PushReply:
+        first = next(stream, None)
+        if first is None:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "Push: empty stream")
+        worker = first.worker
+        with self.cond:
+            params = self._require_params()
+            self._check_worker(worker)
+            if worker in self.pushing:
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"worker {worker} already has a push in progress")
+            if self.mode == "sync" and worker in self.pending:
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"worker {worker} already pushed step {self.version}")
+            if self.mode == "sync" and first.step != self.version:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"sync push for version {first.step}, but the shard is at version {self.version}")  # fmt: skip
+            if first.step > self.version:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"push based on version {first.step} > {self.version}")
+            self.pushing.add(worker)
+        try:
+            # Staged outside the lock: only this worker's stream writes its staging row.
+            numel, dtype = params.numel(), params.dtype
+            row, expected = self.staging[worker], 0
+            for chunk in _chain(first, stream):
+                self._check_chunk(chunk, expected, numel, dtype, worker_bound=self.workers)
+                if chunk.worker != worker or chunk.step != first.step:
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "Push: worker and step must not change mid-stream")
+                copy_in(row, chunk.offset, chunk.data)
+                expected += chunk.length
+            if expected != numel:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"Push: got {expected} of {numel} elements")
+            return self._commit(worker, int(first.step))
+        finally:
+            with self.cond:
+                self.pushing.discard(worker)
+
+    def _commit(self, worker: int, base: int) -> pb.PushReply:
+        assert self.params is not None
+        with self.cond:
+            self.stats["pushes"] += 1
+            self.stats["bytes_in"] += self.params.numel() * self.params.element_size()
+            self.clocks[worker] += 1
+            if self.mode == "sync":
+                self.pending.add(worker)
+                if len(self.pending) == self.workers:
+                    # Summed in worker order, so the result does not depend on arrival order.
+                    torch.sum(self.staging, dim=0, out=self.params.grad)
+                    self.params.grad.div_(self.workers)
+                    self._apply()
+                    self.pending.clear()
+                staleness = 0
+            else:
+                staleness = self.version - base
+                self.params.grad.copy_(self.staging[worker]).div_(self.workers)
+                self._apply()
+            self.histogram[staleness] += 1
+            self.cond.notify_all()
+            return pb.PushReply(version=self.version, staleness=staleness)
+
+    def _apply(self) -> None:
+        """One optimizer step on the gradient in params.grad; the caller holds the lock."""
+        start = time.perf_counter()
+        self.optimizer.step()
+        self.apply_seconds += time.perf_counter() - start
+        self.version += 1
+
+    # --- pull ---------------------------------------------------------------------------------
+
+    def pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.TensorChunk]:
+        worker, clock = request.worker, request.clock
+        with self.cond:
+            params = self._require_params()
+            self._check_worker(worker)
+            if request.shard != self.shard:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"Pull: shard {request.shard}, this is shard {self.shard}")
+            if clock > self.clocks[worker]:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"Pull: worker {worker} at clock {clock} has pushed only {self.clocks[worker]} times")  # fmt: skip
+            start = time.perf_counter()
+            remaining = context.time_remaining()
+            if not self.cond.wait_for(lambda: self._may_pull(worker, clock), timeout=remaining):
+                raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED,
+                              f"Pull: worker {worker} at clock {clock} still blocked; clocks {self.clocks}")  # fmt: skip
+            blocked = time.perf_counter() - start
+            version = self.version
+            if self.snapshots is not None:  # async/ssp: updates may land while this pull streams
+                source = self.snapshots[worker]
+                source.copy_(params.detach())
+            else:  # sync: nothing changes until this worker pushes again
+                source = params.detach()
+            self.stats["pulls"] += 1
+            self.stats["bytes_out"] += params.numel() * params.element_size()
+            slowest = min(self.clocks)
+        context.send_initial_metadata((("blocked-seconds", f"{blocked:.9f}"), ("slowest-clock", str(slowest))))
+        yield from chunks(source, self.shard, 0, version, self.chunk_bytes, byte_view(source))
+
+    def _may_pull(self, worker: int, clock: int) -> bool:
+        if self.mode == "sync":
+            return self.version >= clock
+        if self.mode == "ssp":
+            return clock - min(self.clocks) <= self.staleness
+        return True
+
+    # --- clocks, stats --------------------------------------------------------------------------
+
+    def clock(self, request: pb.ClockRequest) -> pb.ClockReply:
+        with self.cond:
+            self._check_worker(request.worker)
+            if request.advance:
+                if self.mode == "sync":
+                    raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "sync mode advances clocks only by pushing")
+                self.clocks[request.worker] += 1
+                self.cond.notify_all()
+            return pb.ClockReply(clocks=self.clocks, version=self.version)
+
+    def stats_reply(self) -> pb.StatsReply:
+        with self.cond:
+            top = max(self.histogram, default=-1)
+            return pb.StatsReply(
+                version=self.version, clocks=self.clocks,
+                staleness_histogram=[self.histogram.get(s, 0) for s in range(top + 1)],
+                bytes_in=self.stats["bytes_in"], bytes_out=self.stats["bytes_out"], pushes=self.stats["pushes"],
+                pulls=self.stats["pulls"], rejected=self.stats["rejected"], apply_seconds=self.apply_seconds,
+            )  # fmt: skip
+
+    # --- validation -----------------------------------------------------------------------------
+
+    def _require_params(self) -> torch.nn.Parameter:
+        if self.params is None:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"shard {self.shard} has no parameters yet (InitParams)")
+        return self.params
+
+    def _check_worker(self, worker: int) -> None:
+        if worker >= self.workers:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"worker {worker} out of range [0, {self.workers})")
+
+    def _check_chunk(self, chunk: pb.TensorChunk, expected: int, numel: int, dtype: torch.dtype, worker_bound: int) -> None:
+        problem = None
+        if chunk.shard != self.shard:
+            problem = f"shard {chunk.shard}, this is shard {self.shard}"
+        elif chunk.worker >= worker_bound:
+            problem = f"worker {chunk.worker} out of range [0, {worker_bound})"
+        elif FROM_WIRE.get(chunk.dtype) != dtype:
+            problem = f"dtype {pb.DType.Name(chunk.dtype) if chunk.dtype in pb.DType.values() else chunk.dtype}, shard holds {dtype}"
+        elif chunk.offset != expected:
+            problem = f"offset {chunk.offset}, expected {expected} (chunks in order, no gaps)"
+        elif chunk.length == 0 or chunk.offset + chunk.length > numel:
+            problem = f"range [{chunk.offset}, {chunk.offset + chunk.length}) outside [0, {numel})"
+        elif len(chunk.data) != chunk.length * torch.empty(0, dtype=dtype).element_size():
+            problem = f"{len(chunk.data)} data bytes for {chunk.length} elements of {dtype}"
+        if problem:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"chunk refused: {problem}")
+
+
+def _chain(first: pb.TensorChunk, rest: Iterator[pb.TensorChunk]) -> Iterator[pb.TensorChunk]:
+    yield first
+    yield from rest
+
+
+class Servicer(pb_grpc.ParameterServerServicer):
+    """gRPC handlers: translate Refused into status codes, count refusals."""
+
+    def __init__(self, shard: Shard, stop: Callable[[], None]) -> None:
+        self.shard, self._stop = shard, stop
+
+    def _guard(self, context: grpc.ServicerContext, call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except Refused as refused:
+            with self.shard.cond:
+                self.shard.stats["rejected"] += 1
+            context.abort(refused.code, str(refused))
+
+    def Register(self, request, context):  # noqa: N802 (gRPC method names)
+        return self._guard(context, lambda: (self.shard._check_worker(request.worker), self.shard.info())[1])
+
+    def InitParams(self, request_iterator, context):  # noqa: N802
+        return self._guard(context, lambda: (self.shard.init_params(request_iterator), self.shard.info())[1])
+
+    def Push(self, request_iterator, context):  # noqa: N802
+        return self._guard(context, lambda: self.shard.push(request_iterator))
+
+    def Pull(self, request, context):  # noqa: N802
+        try:
+            yield from self.shard.pull(request, context)
+        except Refused as refused:
+            with self.shard.cond:
+                self.shard.stats["rejected"] += 1
+            context.abort(refused.code, str(refused))
+
+    def Clock(self, request, context):  # noqa: N802
+        return self._guard(context, lambda: self.shard.clock(request))
+
+    def Stats(self, request, context):  # noqa: N802
+        return self.shard.stats_reply()
+
+    def Shutdown(self, request, context):  # noqa: N802
+        threading.Thread(target=self._stop, daemon=True).start()  # reply first, then stop
+        return pb.ShutdownReply()
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """Refuses every call that lacks ``authorization: Bearer <token>``, except health checks."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    def intercept_service(self, continuation, details):
+        if details.method.startswith("/grpc.health.v1.Health/"):
+            return continuation(details)
+        offered = dict(details.invocation_metadata).get(TOKEN_HEADER, "")
+        if hmac.compare_digest(str(offered).encode(), self._expected):
+            return continuation(details)
+        handler = continuation(details)
+        if handler is None:
+            return None
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
+
+        kind = (handler.request_streaming, handler.response_streaming)
+        make = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }[kind]
+        return make(deny)
+
+
+def serve(args: argparse.Namespace) -> None:
+    token = token_from_env()
+    optim_cfg = OmegaConf.create(json.loads(args.optim))
+    shard = Shard(args.shard, args.workers, args.mode, args.staleness, optim_cfg, args.chunk_kb * 1024)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=2 * args.workers + 4, thread_name_prefix=f"ps{args.shard}"),
+        interceptors=[TokenInterceptor(token)],
+        options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],
+    )
+    health_servicer = health.HealthServicer()
+    stopped = threading.Event()
+
+    def stop() -> None:
+        health_servicer.enter_graceful_shutdown()
+        server.stop(grace=2.0).wait()
+        stopped.set()
+
+    pb_grpc.add_ParameterServerServicer_to_server(Servicer(shard, stop), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    if port == 0:
+        raise SystemExit(f"ps shard {args.shard}: cannot bind {args.host}:{args.port}")
+    server.start()
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    log.info("shard %d pid %d serving on %s:%d (%s, %d workers)", args.shard, os.getpid(), args.host, port, args.mode, args.workers)
+    if args.port_file:
+        tmp = Path(args.port_file + ".tmp")
+        tmp.write_text(str(port))
+        tmp.replace(args.port_file)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: threading.Thread(target=stop, daemon=True).start())
+    stopped.wait()
+    log.info("shard %d stopped: %s", args.shard, " ".join(str(shard.stats_reply()).split()))
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m testbed.ps.server", description=__doc__.splitlines()[0])
+    parser.add_argument("--shard", type=int, required=True, help="this server's shard index")
+    parser.add_argument("--workers", type=int, required=True, help="number of workers that will push")
+    parser.add_argument("--mode", choices=MODES, default="sync")
+    parser.add_argument("--staleness", type=int, default=2, help="ssp bound s")
+    parser.add_argument("--optim", default='{"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0, "nesterov": false}',
+                        help="the trainer's optim config as JSON")  # fmt: skip
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless set)")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--port-file", default="", help="write the bound port here once serving")
+    parser.add_argument("--chunk-kb", type=int, default=1024, help="pull chunk size")
+    args = parser.parse_args(argv)
+    if args.workers < 1 or args.shard < 0 or args.staleness < 0:
+        parser.error("--workers must be >= 1, --shard and --staleness >= 0")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="[ps] %(asctime)s %(message)s", stream=sys.stdout, force=True)
+    torch.set_num_threads(1)
+    serve(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
