@@ -222,21 +222,21 @@ MODEL_INPUTS = {"mlp": ("synthetic", "digits"), "cnn": ("synthetic", "digits"), 
 
 
 def resolved_device(cfg: DictConfig) -> str:
-    device = _enum_value(cfg.device)
+    device = enum_value(cfg.device)
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
 
 
 def resolved_backend(cfg: DictConfig) -> str:
-    backend = _enum_value(cfg.backend)
+    backend = enum_value(cfg.backend)
     if backend == "auto":
         return "nccl" if resolved_device(cfg) == "cuda" else "gloo"
     return backend
 
 
 def per_rank_batch(cfg: DictConfig) -> int:
-    if _enum_value(cfg.data.scaling) == "strong":
+    if enum_value(cfg.data.scaling) == "strong":
         return int(cfg.data.batch_size) // int(cfg.world_size)
     return int(cfg.data.batch_size)
 
@@ -251,6 +251,9 @@ def validate(cfg: DictConfig, local_world_size: Optional[int] = None) -> None:
     ``local_world_size`` is the number of ranks on this machine (world_size when we spawn them).
     """
     local = int(cfg.world_size) if local_world_size is None else local_world_size
+    for group, options in GROUP_SCHEMAS.items():
+        name = cfg[group].name
+        _require(name in options, f"{group}.name={name}: unknown; allowed: {'|'.join(options)}")
     _require(cfg.world_size >= 1, f"world_size={cfg.world_size}: must be an integer >= 1")
     _require(cfg.steps >= 1, f"steps={cfg.steps}: must be an integer >= 1")
     _require(
@@ -263,7 +266,7 @@ def validate(cfg: DictConfig, local_world_size: Optional[int] = None) -> None:
 
     data = cfg.data
     _require(data.batch_size >= 1, f"data.batch_size={data.batch_size}: must be >= 1")
-    if _enum_value(data.scaling) == "strong":
+    if enum_value(data.scaling) == "strong":
         _require(
             data.batch_size % cfg.world_size == 0,
             f"data.batch_size={data.batch_size} does not divide by world_size={cfg.world_size} under "
@@ -289,8 +292,8 @@ def validate(cfg: DictConfig, local_world_size: Optional[int] = None) -> None:
     if cfg.sync.name == "ps":
         _validate_ps(cfg)
 
-    device = _enum_value(cfg.device)
-    backend = _enum_value(cfg.backend)
+    device = enum_value(cfg.device)
+    backend = enum_value(cfg.backend)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     _require(
         device != "cuda" or gpus >= 1,
@@ -302,13 +305,15 @@ def validate(cfg: DictConfig, local_world_size: Optional[int] = None) -> None:
             f"backend=nccl needs one CUDA GPU per local rank ({local} local ranks, {gpus} GPUs visible); "
             "use backend=gloo (or device=cpu), or fewer ranks per machine",
         )
-    if backend == "gloo" and resolved_device(cfg) == "cuda" and cfg.sync.name in ("ring", "tree"):
-        raise ConfigError(
-            f"sync={cfg.sync.name} with backend=gloo needs CPU tensors (Gloo has no CUDA send/recv); "
-            "use device=cpu or backend=nccl"
+    if cfg.sync.name in ("ring", "tree") and cfg.world_size > 1:
+        # Gloo has no CUDA send/recv, and NCCL ignores message tags and serialises ungrouped
+        # point-to-point calls, which the pipelined schedules rely on; they are verified on Gloo.
+        _require(
+            resolved_device(cfg) == "cpu" and resolved_backend(cfg) == "gloo",
+            f"sync={cfg.sync.name} runs over Gloo on CPU tensors; use device=cpu (or sync=allreduce for NCCL)",
         )
     _require(
-        _enum_value(cfg.precision) == "fp32" or resolved_device(cfg) == "cuda",
+        enum_value(cfg.precision) == "fp32" or resolved_device(cfg) == "cuda",
         "precision=bf16 (autocast) is for CUDA; use precision=fp32 on CPU",
     )
 
@@ -334,7 +339,7 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def _enum_value(value: Any) -> str:
+def enum_value(value: Any) -> str:
     return value.value if isinstance(value, enum.Enum) else str(value)
 
 

@@ -19,6 +19,7 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf.errors import OmegaConfBaseException
 
 from testbed.config import ConfigError, validate
+from testbed.launch.existing import surrounding_world
 from testbed.paths import config_dir
 
 _SKIP_FLAGS = ("-cp", "-cn", "-cd", "--config-path", "--config-name", "--config-dir", "--help", "-h",
@@ -33,22 +34,39 @@ def sweep_points(overrides: list[str]) -> list[list[str]]:
     return BasicSweeper.split_arguments(parsed, max_batch_size=None)[0]
 
 
+def _configured_sweep(overrides: list[str]) -> list[str]:
+    """Sweep parameters set in config (an experiment preset's hydra.sweeper.params), as overrides.
+
+    The command line wins over them for the same key, as in Hydra's basic sweeper.
+    """
+    plain = [o.input_line for o in OverridesParser.create().parse_overrides(overrides) if not o.is_sweep_override()]
+    try:
+        cfg = compose(config_name="config", overrides=plain, return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException):
+        return []  # reported with the point that fails
+    params = cfg.hydra.sweeper.get("params") or {}
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    return [f"{key}={value}" for key, value in params.items() if key not in given]
+
+
 def check_command_line(argv: list[str]) -> None:
     """Raise ConfigError for the first job of ``argv`` that cannot run."""
     if any(a.split("=")[0] in _SKIP_FLAGS for a in argv):
         return
     overrides = [a for a in argv if not a.startswith("-") and not a.lstrip("+~").startswith("hydra")]
-    try:
-        points = sweep_points(overrides)
-    except HydraException:
-        return  # a sweep syntax the basic sweeper does not expand; Hydra reports or runs it
+    joined = surrounding_world()
+    local = joined[3] if joined else None  # ranks on this machine; the rest run elsewhere
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="preflight"):
+        try:
+            points = sweep_points(overrides + _configured_sweep(overrides))
+        except HydraException:
+            return  # a sweep syntax the basic sweeper does not expand; Hydra reports or runs it
         for point in points:
             try:
                 cfg = compose(config_name="config", overrides=point)
             except (HydraException, OmegaConfBaseException) as exc:
                 raise ConfigError(describe_composition_error(exc)) from None
-            validate(cfg)
+            validate(cfg, local_world_size=local)
 
 
 def describe_composition_error(exc: BaseException) -> str:

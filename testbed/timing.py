@@ -13,8 +13,8 @@ sync *completed* (``t_sync_exit``). For a synchronizer that blocks until every r
     t_wait_i = clamp(max_j(t_sync_enter_j) - t_sync_enter_i, 0, t_sync_i)
 
 the time it sat in sync only because slower ranks had not arrived yet; ``t_sync - t_wait`` is the
-transfer itself. No barrier is added to measure it: the enter times are exchanged once, after the
-last step (``fill_wait``), so per-step lines are written with ``t_wait: null`` while the run is in
+transfer itself. No barrier is added to measure it: after the last step one all-reduce (max) of
+the enter times gives every rank ``max_j`` per step (``fill_wait_from_latest``), so per-step lines are written with ``t_wait: null`` while the run is in
 progress and completed when it ends. For synchronizers that do not wait for peers, ``t_wait`` is 0.
 A synchronizer may measure the wait itself (a parameter server reports how long it held each pull
 back for slower workers); then its value is recorded as is.
@@ -65,6 +65,8 @@ class StepClock:
 
     def mark(self) -> None:
         if self.cuda:
+            if self._n == len(PHASES):
+                raise RuntimeError(f"StepClock: more than {len(PHASES)} phases marked")
             self._n += 1
             self._events[self._n].record()
         else:
@@ -72,6 +74,8 @@ class StepClock:
 
     def finish(self) -> StepTimes:
         if self.cuda:
+            if self._n != len(PHASES):
+                raise RuntimeError(f"StepClock: {self._n} phases marked, expected {len(PHASES)}")
             self._events[-1].synchronize()
             durations = [a.elapsed_time(b) / 1000.0 for a, b in zip(self._events, self._events[1:])]
         else:
@@ -83,6 +87,12 @@ class StepClock:
         return StepTimes(phases, enter, enter + phases["sync"])
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (no-op on CPU): for host timers around whole runs."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def fill_wait(records_by_rank: list[list[dict[str, Any]]], waits_for_peers: bool) -> None:
     """Set ``t_wait`` in every record, in place, from the enter times of all ranks (see module doc).
 
@@ -90,13 +100,17 @@ def fill_wait(records_by_rank: list[list[dict[str, Any]]], waits_for_peers: bool
     every rank completed (a failed run) keep ``t_wait: None``.
     """
     by_step: list[dict[int, dict[str, Any]]] = [{r["step"]: r for r in recs} for recs in records_by_rank]
-    common = set(by_step[0]).intersection(*by_step[1:]) if by_step else set()
-    for step in common:
-        latest = max(ranks[step]["t_sync_enter"] for ranks in by_step)
-        for ranks in by_step:
-            rec = ranks[step]
-            if rec.get("t_wait") is None:  # a synchronizer's own measurement is kept
-                rec["t_wait"] = min(max(latest - rec["t_sync_enter"], 0.0), rec["t_sync"]) if waits_for_peers else 0.0
+    common = sorted(set(by_step[0]).intersection(*by_step[1:])) if by_step else []
+    latest = [max(ranks[step]["t_sync_enter"] for ranks in by_step) for step in common]
+    for ranks in by_step:
+        fill_wait_from_latest([ranks[step] for step in common], latest, waits_for_peers)
+
+
+def fill_wait_from_latest(records: list[dict[str, Any]], latest: list[float], waits_for_peers: bool) -> None:
+    """Set ``t_wait`` of one rank's records given, per record, the latest enter time over all ranks."""
+    for rec, last in zip(records, latest):
+        if rec.get("t_wait") is None:  # a synchronizer's own measurement is kept
+            rec["t_wait"] = min(max(last - rec["t_sync_enter"], 0.0), rec["t_sync"]) if waits_for_peers else 0.0
 
 
 def compute_time(record: dict[str, Any]) -> float:

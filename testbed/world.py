@@ -32,10 +32,6 @@ class World:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def now(self) -> float:
-        """Wall-clock seconds on rank 0's time base."""
-        return time.time() + self.clock_offset_s
-
 
 def env_rank_layout() -> tuple[int, int, int, int]:
     """(rank, local_rank, world_size, local_world_size) from torchrun-style or Slurm variables."""

@@ -20,8 +20,7 @@ def test_benchmark_records_and_table(tmp_path: Path) -> None:
     }
     for r in records:
         assert FIELDS <= set(r) and r["correct"] is True
-        assert r["algbw"] == r["bytes"] / r["time_s"]
-        assert r["busbw"] == r["algbw"] * 2 * (r["world_size"] - 1) / r["world_size"]
+        assert 0 < r["time_min_s"] <= r["time_s"] and r["iters"] == 2
     assert "ring/native" in proc.stdout and "tree/native" in proc.stdout
 
 

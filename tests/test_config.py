@@ -35,7 +35,7 @@ def test_options_on_disk_match_schemas() -> None:
 
 BAD = {
     "wrong type": (["world_size=abc"], "world_size"),
-    "unknown option": (["sync=foo"], "sync=foo: unknown option; allowed: allreduce|none|ring|tree"),
+    "unknown option": (["sync=foo"], "sync=foo: unknown option; allowed: allreduce|none|ps|ring|tree"),
     "unknown key": (["sync.foo=1"], "sync.foo: unknown key"),
     "bad enum": (["data.scaling=bogus"], "data.scaling"),
     "world_size < 1": (["world_size=0"], "world_size=0"),
@@ -46,6 +46,13 @@ BAD = {
     "nccl without GPUs": (["backend=nccl", "world_size=2"], "backend=nccl needs one CUDA GPU per local rank"),
     "model/data mismatch": (["model=transformer"], "model=transformer cannot read data=synthetic; allowed: data=lm"),
     "one bad sweep point": (["-m", "sync=ring,tree", "world_size=1,0"], "world_size=0"),
+    "bad point of a preset's sweep": (
+        ["+experiment=compare", "data.scaling=strong", "data.batch_size=3"],
+        "data.batch_size=3 does not divide by world_size=2",
+    ),
+    "unknown name": (["model.name=foo"], "model.name=foo: unknown; allowed: mlp|cnn|transformer"),
+    "ps mode": (["sync=ps", "sync.mode=bsp"], "sync.mode=bsp: allowed: sync|async|ssp"),
+    "ps addresses": (["sync=ps", "sync.servers=2", "sync.addresses=[localhost:1]"], "sync.addresses has 1 entries but sync.servers=2"),
 }
 
 
@@ -55,7 +62,7 @@ def test_bad_config_is_one_line_before_spawning(tmp_path: Path, case: str) -> No
     if case == "nccl without GPUs":
         pytest.importorskip("torch").cuda.is_available() and pytest.skip("a GPU is visible")
     out = tmp_path / "job"
-    key = "hydra.sweep.dir" if "-m" in args else "hydra.run.dir"
+    key = "hydra.sweep.dir" if "-m" in args or "+experiment=compare" in args else "hydra.run.dir"
     proc = run_cli([*args, f"{key}={out}"], cwd=tmp_path, timeout=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
@@ -64,7 +71,7 @@ def test_bad_config_is_one_line_before_spawning(tmp_path: Path, case: str) -> No
     assert not out.exists(), "nothing may be created (no job dir, no ranks) for a bad config"
 
 
-@pytest.mark.parametrize("case", [c for c in BAD if c != "one bad sweep point"])
+@pytest.mark.parametrize("case", [c for c in BAD if "sweep" not in c])
 def test_preflight_raises_the_same_errors(case: str) -> None:
     args, expected = BAD[case]
     if case == "nccl without GPUs":

@@ -70,7 +70,7 @@ def test_tree_matches_single_process(sweeps: dict[str, Path]) -> None:
 
 
 def test_traffic_accounting(sweeps: dict[str, Path]) -> None:
-    """Ring moves 2(n-1)/n of the gradient per rank; the double tree about as much, the single tree more."""
+    """Ring moves 2(n-1)/n of the gradient per rank (the bandwidth lower bound)."""
     jobs = job_dirs(sweeps["collectives"])
     for n in (2, 3, 4):
         s = read_json(jobs[f"ring-{n}"] / "summary.json")

@@ -14,7 +14,8 @@ from conftest import cli_env, read_json, read_jsonl, run_cli
 
 
 def torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "testbed", *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           f"--log-dir={cwd / 'torchrun-logs'}", "-m", "testbed", *args]  # fmt: skip
     return subprocess.run(cmd, cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=300)
 
 

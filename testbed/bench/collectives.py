@@ -8,6 +8,7 @@ started after a barrier.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -19,6 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from testbed.collectives import ring_allreduce_, tree_allreduce_
 from testbed.collectives.tree import SCRATCH_CHUNKS
+from testbed.timing import synchronize
 
 IMPLS = ("native", "ring", "tree")
 
@@ -37,13 +39,14 @@ class BenchRecord:
 
 
 def default_iters(nbytes: int) -> int:
+    # Loopback timings on shared cores vary by tens of percent; medians need enough samples.
     if nbytes <= 1 << 20:
-        return 20
+        return 50
     if nbytes <= 16 << 20:
-        return 10
+        return 20
     if nbytes <= 64 << 20:
-        return 5
-    return 3
+        return 10
+    return 5
 
 
 def _impl(name: str, numel: int, device: torch.device, tree_chunk_elems: int) -> Callable[[torch.Tensor], None]:
@@ -63,6 +66,8 @@ def bench_rank(
     sizes: list[int], impls: list[str], iters: int, warmup: int, tree_chunk_kb: int, backend: str
 ) -> list[dict]:
     """Run in every rank; rank 0 returns the records."""
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend)
     n, rank = dist.get_world_size(), dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
@@ -86,11 +91,11 @@ def bench_rank(
                 times = []
                 for i in range(warmup + count):
                     buf.copy_(pattern)
-                    _sync(device)
+                    synchronize(device)
                     dist.barrier()
                     start = time.perf_counter()
                     run(buf)
-                    _sync(device)
+                    synchronize(device)
                     elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
                     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                     if i >= warmup:
@@ -103,8 +108,3 @@ def bench_rank(
     finally:
         dist.destroy_process_group()
     return results if rank == 0 else []
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

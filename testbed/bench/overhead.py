@@ -26,17 +26,13 @@ from testbed.results.step_log import StepLog
 from testbed.sync import build_synchronizer
 from testbed.trainer import Trainer, cross_entropy
 from testbed.paths import config_dir
+from testbed.timing import synchronize
 from testbed.world import World
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def plain_loop(model, optimizer, batches, steps: int, device: torch.device, bf16: bool) -> float:
     """The loop a user would write by hand; returns seconds for ``steps`` steps."""
-    _sync(device)
+    synchronize(device)
     start = time.perf_counter()
     for step in range(steps):
         x, y = batches.batch(step)
@@ -46,7 +42,7 @@ def plain_loop(model, optimizer, batches, steps: int, device: torch.device, bf16
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    _sync(device)
+    synchronize(device)
     return time.perf_counter() - start
 
 
@@ -56,7 +52,7 @@ def measure(overrides: list[str], steps: int, repeats: int) -> dict:
     config.validate(cfg)
     device = torch.device(config.resolved_device(cfg))
     world = World(0, 0, 1, 1, device, config.resolved_backend(cfg), cfg.timeouts.collective_s)
-    bf16 = str(cfg.precision) in ("bf16", "Precision.bf16")
+    bf16 = config.enum_value(cfg.precision) == "bf16"
     torch.manual_seed(cfg.seed)
     spec, batches = build_data(cfg.data, config.per_rank_batch(cfg), 0, 1, cfg.seed)
     batches.to(device)
@@ -73,10 +69,10 @@ def measure(overrides: list[str], steps: int, repeats: int) -> dict:
         sync.setup(model, opt, world)
         log = StepLog(Path(tmp) / f"rank0-{r}.jsonl")
         trainer = Trainer(model, opt, sync, batches, world, log, steps, bf16=bf16, log_every=10**9)
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         trainer.run()
-        _sync(device)
+        synchronize(device)
         log.close()
         return time.perf_counter() - start
 

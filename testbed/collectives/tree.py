@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from testbed.collectives.common import Traffic, chunk_bounds
+from testbed.collectives.common import Traffic, chunk_bounds, scratch_for
 
 
 def btree(n: int, rank: int) -> tuple[int, list[int]]:
@@ -92,8 +92,8 @@ def tree_allreduce_(
     for i, ((parent, children), segment) in enumerate(zip(trees, segments)):
         count = max(1, -(-segment.numel() // chunk_elems))
         lanes.append(_Lane(glob(parent), [glob(c) for c in children], segment, chunk_bounds(segment.numel(), count), 2 * i))
-    if scratch is None or scratch.numel() < SCRATCH_CHUNKS * chunk_elems or scratch.dtype != buf.dtype:
-        scratch = torch.empty(SCRATCH_CHUNKS * chunk_elems, dtype=buf.dtype, device=buf.device)
+    chunk_elems = min(chunk_elems, max(1, -(-buf.numel() // len(trees))))  # no chunk beyond a segment
+    scratch = scratch_for(scratch, buf, SCRATCH_CHUNKS * chunk_elems)
     esize = buf.element_size()
     rounds = max(len(lane.chunks) for lane in lanes)
     # Chunks in the order every rank processes them: round-robin over the lanes.

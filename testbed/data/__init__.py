@@ -7,7 +7,7 @@ batch; the concatenation over ranks is exactly the global batch a single process
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -16,7 +16,7 @@ from testbed.data.spec import DataSpec
 
 
 class RankBatches:
-    """Infinite stream of this rank's batches.
+    """This rank's batch of every step.
 
     The sample order is a concatenation of per-epoch permutations drawn from ``seed``; global batch
     ``t`` is positions ``[t*G, (t+1)*G)`` of that order and rank ``r`` takes its ``r``-th slice of
@@ -59,11 +59,6 @@ class RankBatches:
         idx = self.indices(step).to(self.inputs.device, non_blocking=True)
         return self.inputs[idx], self.targets[idx]
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        step = 0
-        while True:
-            yield self.batch(step)
-            step += 1
 
 
 def build_data(cfg: Any, per_rank: int, rank: int, world_size: int, seed: int) -> tuple[DataSpec, RankBatches]:

@@ -17,7 +17,7 @@ from testbed import config
 from testbed.launch.existing import surrounding_world
 from testbed.launch.rank import rank_main
 from testbed.launch.spawn import RankFailure, spawn_world
-from testbed.ps.launch import LocalServers, ServerStartError
+from testbed.ps.launch import LocalServers
 from testbed.ps.wire import TOKEN_ENV
 from testbed.results.summary import failed_summary, summarize, write_summary
 from testbed.results.table import format_table, summary_row
@@ -39,7 +39,11 @@ def run_job(cfg: DictConfig) -> Optional[dict[str, Any]]:
 
     plain = config.to_plain(cfg)
     if joined is not None:
-        summary = rank_main(plain, str(job_dir))  # every rank runs here; rank 0 returns the summary
+        try:
+            summary = rank_main(plain, str(job_dir))  # every rank runs here; rank 0 returns the summary
+        except Exception as exc:
+            _record_failure(job_dir, plain, f"{type(exc).__name__}: {exc}", joined[0])
+            raise  # torchrun/Slurm see the rank fail and stop the others
         if summary is None:
             return None
     else:
@@ -68,13 +72,18 @@ def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path) -> dict[str, A
                 monitor_interval_s=cfg.launcher.monitor_interval_s,
             )  # fmt: skip
             return results[0]
-    except (RankFailure, ServerStartError) as failure:
-        rank = failure.rank if isinstance(failure, RankFailure) else None
-        message = failure.message if isinstance(failure, RankFailure) else str(failure)
-        summary = failed_summary(job_dir, plain, message, rank)
-        write_summary(job_dir, summary)
-        log.error("run failed: %s (results so far kept in %s)", failure, job_dir)
-        return summary
+    except RankFailure as failure:
+        return _record_failure(job_dir, plain, failure.message, failure.rank)
+    except Exception as exc:  # servers that never came up, a rendezvous timeout, ...: still a result
+        return _record_failure(job_dir, plain, f"{type(exc).__name__}: {exc}", None)
+
+
+def _record_failure(job_dir: Path, plain: dict[str, Any], message: str, rank: Optional[int]) -> dict[str, Any]:
+    summary = failed_summary(job_dir, plain, message, rank)
+    write_summary(job_dir, summary)
+    where = "" if rank is None else f"rank {rank}: "
+    log.error("run failed: %s%s (results so far kept in %s)", where, message, job_dir)
+    return summary
 
 
 def _check_joined(cfg: DictConfig, joined: tuple[int, int, int, int], hydra_cfg: Any, multirun: bool) -> None:

@@ -27,7 +27,7 @@ from testbed.optim import build_optimizer
 from testbed.results.step_log import StepLog, metrics_path
 from testbed.results.summary import summarize, write_summary
 from testbed.sync import build_synchronizer
-from testbed.timing import fill_wait
+from testbed.timing import fill_wait_from_latest
 from testbed.trainer import Trainer
 from testbed.world import World, close_world, init_world
 
@@ -76,7 +76,7 @@ def _finish(
     cfg: Any, plain_cfg: dict[str, Any], world: World, model: torch.nn.Module, sync: Any,
     step_log: StepLog, records: list[dict[str, Any]], job_dir: Path,
 ) -> Optional[dict[str, Any]]:  # fmt: skip
-    """One exchange after the last step: enter times (for t_wait) and per-rank facts."""
+    """After the last step: one all-reduce of enter times (for t_wait), then rank 0 gathers the records."""
     facts = {
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "cuda_peak_bytes": torch.cuda.max_memory_allocated(world.device) if world.device.type == "cuda" else None,
@@ -85,15 +85,16 @@ def _finish(
         "device": str(world.device),
         "backend": world.backend,
     }
-    gathered: list[Any] = [None] * world.world_size
-    dist.all_gather_object(gathered, (records, facts))
-    all_records = [g[0] for g in gathered]
-    fill_wait(all_records, sync.waits_for_peers)
-    step_log.rewrite(all_records[world.rank])
-    if not world.is_main:
+    latest = torch.tensor([r["t_sync_enter"] for r in records], dtype=torch.float64, device=world.device)
+    dist.all_reduce(latest, op=dist.ReduceOp.MAX)
+    fill_wait_from_latest(records, latest.tolist(), sync.waits_for_peers)
+    step_log.rewrite(records)
+    gathered: Optional[list[Any]] = [None] * world.world_size if world.is_main else None
+    dist.gather_object((records, facts), gathered, dst=0)
+    if gathered is None:
         return None
     torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, job_dir / "model_final.pt")
-    summary = summarize(plain_cfg, all_records, [g[1] for g in gathered], sync.describe())
+    summary = summarize(plain_cfg, [g[0] for g in gathered], [g[1] for g in gathered], sync.describe())
     write_summary(job_dir, summary)
     return summary
 

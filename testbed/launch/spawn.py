@@ -8,10 +8,13 @@ fails the run, and the agent stops the remaining ranks.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -59,11 +62,9 @@ def spawn_world(
             log_dir=str(log_dir), redirects=Std.ALL, tee={0: Std.ALL} if echo_rank0 else Std.NONE
         ),
     )
-    # Ranks size their own thread pools (threads_per_rank); one OpenMP thread until then keeps n
-    # ranks importing torch at once from oversubscribing the cores.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        return elastic_launch(config, entry)(*args)
+        with _launch_environment(log_dir):
+            return elastic_launch(config, entry)(*args)
     except ChildFailedError as exc:
         # The earliest failure is the cause; the others are usually peers losing their connection.
         rank, failure = min(exc.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
@@ -72,6 +73,24 @@ def spawn_world(
         else:
             message = _last_line(failure.message) or f"exited with code {failure.exitcode}"
         raise RankFailure(rank, message) from None
+
+
+@contextmanager
+def _launch_environment(log_dir: Path) -> Iterator[None]:
+    """Temporary files of the launch (torch's per-rank error files) go to, and go with, ``log_dir/tmp``;
+    ranks start with one OpenMP thread until they size their own pools (threads_per_rank)."""
+    tmp = log_dir / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    saved_tempdir, saved_omp = tempfile.tempdir, os.environ.get("OMP_NUM_THREADS")
+    tempfile.tempdir = str(tmp)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        yield
+    finally:
+        tempfile.tempdir = saved_tempdir
+        if saved_omp is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _last_line(message: Any) -> str:

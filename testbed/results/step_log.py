@@ -24,8 +24,9 @@ class StepLog:
     """Appends one line per record; flushes at most every ``flush_s`` seconds and on close.
 
     A write plus flush per step costs tens of microseconds, a few percent of a millisecond step;
-    flushing on a timer keeps that under one percent, and a crash loses at most ``flush_s`` of
-    records. (A writer thread was slower: it competes with the kernels' threads for the cores.)
+    flushing on a timer keeps that under one percent; a rank killed outright loses the records
+    written since the last flush. (A writer thread was slower: it competes with the kernels'
+    threads for the cores.)
     """
 
     def __init__(self, path: Path, flush_s: float = 0.25) -> None:

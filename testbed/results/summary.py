@@ -96,9 +96,11 @@ def summarize(
     staleness = Counter(r["staleness"] for recs in records_by_rank for r in recs if r.get("staleness") is not None)
     if staleness:  # every update applied, warm-up included: index = staleness, value = count
         summary["staleness_histogram"] = [staleness.get(s, 0) for s in range(max(staleness) + 1)]
-    last = [recs[-1] for recs in records_by_rank if recs]
-    summary["final_loss"] = statistics.fmean(r["loss"] for r in last) if last else None
-    summary["loss_first"] = statistics.fmean(recs[0]["loss"] for recs in records_by_rank if recs) if last else None
+    if common:  # the first and last steps every rank completed
+        summary["loss_first"] = statistics.fmean(ranks[min(common)]["loss"] for ranks in by_step)
+        summary["final_loss"] = statistics.fmean(ranks[max(common)]["loss"] for ranks in by_step)
+    else:
+        summary["loss_first"] = summary["final_loss"] = None
     if per_rank:
         summary["peak_rss_bytes"] = [p["peak_rss_bytes"] for p in per_rank]
         summary["cuda_peak_bytes"] = [p.get("cuda_peak_bytes") for p in per_rank]

@@ -15,7 +15,8 @@ from testbed.sync.base import FlatGradSynchronizer
 @register("tree")
 class TreeAllReduce(FlatGradSynchronizer):
     def _chunk_elems(self, flat: torch.Tensor) -> int:
-        return max(1, self.cfg.chunk_kb * 1024 // flat.element_size())
+        # Capped at half the buffer (each tree's segment), so small gradients get small scratch.
+        return max(1, min(self.cfg.chunk_kb * 1024 // flat.element_size(), -(-flat.numel() // 2)))
 
     def make_scratch(self, flat: torch.Tensor) -> torch.Tensor:
         return torch.empty(SCRATCH_CHUNKS * self._chunk_elems(flat), dtype=flat.dtype, device=flat.device)
