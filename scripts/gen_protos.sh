@@ -5,6 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-testbed/ps}
-python -m grpc_tools.protoc -I protos --python_out="$out" --grpc_python_out="$out" --pyi_out="$out" protos/parameter_server.proto
+"${PYTHON:-python3}" -m grpc_tools.protoc -I protos --python_out="$out" --grpc_python_out="$out" --pyi_out="$out" protos/parameter_server.proto
 # protoc writes an absolute import of the sibling module; make it package-relative.
 sed -i 's/^import parameter_server_pb2 as parameter__server__pb2$/from testbed.ps import parameter_server_pb2 as parameter__server__pb2/' "$out/parameter_server_pb2_grpc.py"

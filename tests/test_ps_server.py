@@ -1,0 +1,150 @@
+"""A live parameter-server shard: bad requests are refused and change nothing; SSP bounds the lead."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+import pytest
+import torch
+
+from testbed.ps import parameter_server_pb2 as pb
+from testbed.ps import parameter_server_pb2_grpc as pb_grpc
+from testbed.ps.client import PsClient, PsError
+from testbed.ps.launch import LocalServers
+from testbed.ps.wire import CHANNEL_OPTIONS, auth_metadata, chunks
+
+NUMEL, CHUNK_BYTES, LR = 1000, 1024, 0.5
+SGD = {"name": "sgd", "lr": LR, "momentum": 0.0, "weight_decay": 0.0, "nesterov": False}
+
+
+def servers(tmp_path: Path, mode: str, workers: int, staleness: int = 2) -> LocalServers:
+    cfg = {"servers": 1, "mode": mode, "staleness": staleness, "chunk_kb": 1, "host": "127.0.0.1"}
+    return LocalServers(cfg, SGD, workers, tmp_path / "logs")
+
+
+def client(ps: LocalServers, worker: int) -> PsClient:
+    return PsClient(ps.addresses, ps.token, worker, timeout_s=20.0, chunk_bytes=CHUNK_BYTES)
+
+
+def code_of(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code()
+
+
+def stream(*messages: pb.TensorChunk) -> Iterator[pb.TensorChunk]:
+    yield from messages
+
+
+def test_bad_requests_are_refused_and_change_nothing(tmp_path: Path) -> None:
+    initial = torch.arange(NUMEL, dtype=torch.float32) / NUMEL
+    with servers(tmp_path, "sync", workers=2) as ps:
+        workers = [client(ps, 0), client(ps, 1)]
+        workers[0].register(wait_s=20)
+        workers[0].init_params([initial.clone()])
+        stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(ps.addresses[0], options=CHANNEL_OPTIONS))
+        auth = auth_metadata(ps.token)
+        grad = torch.ones(NUMEL)
+        good = list(chunks(grad, 0, 1, 0, CHUNK_BYTES))
+        assert len(good) == 4  # 1000 floats in 1 KiB chunks
+
+        def push(*messages: pb.TensorChunk, metadata=auth):
+            return lambda: stub.Push(stream(*messages), timeout=10, metadata=metadata)
+
+        def altered(i: int, **fields) -> list[pb.TensorChunk]:
+            out = [pb.TensorChunk() for _ in good]
+            for o, g in zip(out, good):
+                o.CopyFrom(g)
+            for key, value in fields.items():
+                setattr(out[i], key, value)
+            return out
+
+        refused = {
+            "no token": (lambda: stub.Register(pb.RegisterRequest(worker=0), timeout=10), grpc.StatusCode.UNAUTHENTICATED),
+            "wrong token": (push(*good, metadata=auth_metadata("0" * 32)), grpc.StatusCode.UNAUTHENTICATED),
+            "short data": (push(*altered(1, data=b"\0" * 12)), grpc.StatusCode.INVALID_ARGUMENT),
+            "out of range": (push(*altered(3, length=500)), grpc.StatusCode.INVALID_ARGUMENT),
+            "gap": (push(*altered(2, offset=600)), grpc.StatusCode.INVALID_ARGUMENT),
+            "worker out of range": (push(*altered(0, worker=7)), grpc.StatusCode.INVALID_ARGUMENT),
+            "wrong dtype": (push(*altered(0, dtype=pb.FLOAT64)), grpc.StatusCode.INVALID_ARGUMENT),
+            "unknown dtype": (push(*altered(0, dtype=99)), grpc.StatusCode.INVALID_ARGUMENT),
+            "wrong shard": (push(*altered(0, shard=3)), grpc.StatusCode.INVALID_ARGUMENT),
+            "future version": (push(*altered(0, step=5)), grpc.StatusCode.INVALID_ARGUMENT),
+            "truncated push": (push(*good[:2]), grpc.StatusCode.INVALID_ARGUMENT),
+            "worker changes mid-stream": (push(*altered(2, worker=0)), grpc.StatusCode.INVALID_ARGUMENT),
+            "empty push": (push(), grpc.StatusCode.INVALID_ARGUMENT),
+            "pull ahead of pushes": (
+                lambda: list(stub.Pull(pb.PullRequest(worker=1, shard=0, clock=3), timeout=10, metadata=auth)),
+                grpc.StatusCode.INVALID_ARGUMENT,
+            ),
+            "second init": (
+                lambda: stub.InitParams(chunks(initial, 0, 0, NUMEL, CHUNK_BYTES), timeout=10, metadata=auth),
+                grpc.StatusCode.FAILED_PRECONDITION,
+            ),
+        }
+        for name, (call, expected) in refused.items():
+            assert code_of(call) == expected, name
+
+        stats = workers[0].stats()[0]
+        assert stats.version == 0 and list(stats.clocks) == [0, 0] and stats.pushes == 0
+        assert stats.rejected == len(refused) - 2  # the token check refuses before the service counts
+
+        # The shard still serves valid workers, and none of the refused data leaked into the update.
+        grads = [torch.full((NUMEL,), 1.0), torch.full((NUMEL,), 3.0)]
+        threads = [threading.Thread(target=w.push, args=([g], [0])) for w, g in zip(workers, grads)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        params = torch.empty(NUMEL)
+        assert workers[1].pull([params], clock=1).versions == [1]
+        assert torch.equal(params, initial - LR * (grads[0] + grads[1]) / 2)
+        for w in workers:
+            w.close()
+
+
+@pytest.mark.parametrize("mode", ["ssp", "async"])
+def test_ssp_bounds_the_fastest_workers_lead(tmp_path: Path, mode: str) -> None:
+    steps, bound = 20, 2
+    leads: dict[int, list[int]] = {0: [], 1: []}
+    with servers(tmp_path, mode, workers=2, staleness=bound) as ps:
+        workers = [client(ps, 0), client(ps, 1)]
+        workers[0].register(wait_s=20)
+        workers[0].init_params([torch.zeros(NUMEL)])
+
+        def work(rank: int) -> None:
+            params, grad, versions = torch.empty(NUMEL), torch.ones(NUMEL), [0]
+            for clock in range(1, steps + 1):
+                if rank == 1:
+                    time.sleep(0.05)  # the straggler
+                workers[rank].push([grad], versions)
+                pulled = workers[rank].pull([params], clock)
+                versions = pulled.versions
+                leads[rank].append(clock - pulled.slowest_clock)
+
+        threads = [threading.Thread(target=work, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        stats = workers[0].stats()[0]
+        for w in workers:
+            w.close()
+    assert stats.version == 2 * steps and sum(stats.staleness_histogram) == 2 * steps
+    if mode == "ssp":
+        assert max(leads[0]) == bound  # the fast worker runs ahead exactly as far as allowed
+    else:
+        assert max(leads[0]) > 2 * bound  # async lets it run away
+
+
+def test_errors_name_the_shard_and_the_status(tmp_path: Path) -> None:
+    with servers(tmp_path, "sync", workers=1) as ps:
+        address = ps.addresses[0]
+    dead = PsClient([address], "token", 0, timeout_s=1.0, chunk_bytes=CHUNK_BYTES)
+    with pytest.raises(PsError, match=rf"ps shard 0 at {address}: Stats: (UNAVAILABLE|DEADLINE_EXCEEDED)"):
+        dead.stats()
+    dead.close()
