@@ -15,7 +15,10 @@ import torch
 
 from testbed.ps import parameter_server_pb2 as pb
 from testbed.ps import parameter_server_pb2_grpc as pb_grpc
-from testbed.ps.wire import CHANNEL_OPTIONS, auth_metadata, byte_view, chunks, copy_in
+from testbed.ps.wire import (
+    CHANNEL_OPTIONS, SERVICE, auth_metadata, byte_view, copy_in, decode_chunk, encoded_chunks, keep_freed_memory,
+    passthrough,
+)  # fmt: skip
 
 T = TypeVar("T")
 
@@ -34,9 +37,14 @@ class PullResult:
 class PsClient:
     def __init__(self, addresses: list[str], token: str, worker: int, timeout_s: float, chunk_bytes: int) -> None:
         self.addresses, self.worker, self.timeout_s, self.chunk_bytes = addresses, worker, timeout_s, chunk_bytes
+        keep_freed_memory()
         self.metadata = auth_metadata(token)
         self.channels = [grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in addresses]
         self.stubs = [pb_grpc.ParameterServerStub(c) for c in self.channels]
+        # The tensor-carrying calls take the fast path: pre-encoded chunks out, zero-copy decode in.
+        self._init = [c.stream_unary(f"/{SERVICE}/InitParams", passthrough, pb.ShardInfo.FromString) for c in self.channels]
+        self._push = [c.stream_unary(f"/{SERVICE}/Push", passthrough, pb.PushReply.FromString) for c in self.channels]
+        self._pull = [c.unary_stream(f"/{SERVICE}/Pull", pb.PullRequest.SerializeToString, decode_chunk) for c in self.channels]
         self.pool = ThreadPoolExecutor(max_workers=len(addresses), thread_name_prefix="ps-client")
         self._views: dict[int, memoryview] = {}
 
@@ -50,6 +58,8 @@ class PsClient:
 
     def _each(self, fn: Callable[[int], T]) -> list[T]:
         """``fn(shard)`` for every shard concurrently; the first failure is raised."""
+        if len(self.stubs) == 1:  # no thread hand-off for a single shard
+            return [fn(0)]
         return [f.result() for f in [self.pool.submit(fn, i) for i in range(len(self.stubs))]]
 
     def _view(self, flat: torch.Tensor) -> memoryview:
@@ -68,25 +78,27 @@ class PsClient:
     def init_params(self, shards: list[torch.Tensor]) -> list[pb.ShardInfo]:
         def send(i: int) -> pb.ShardInfo:
             # InitParams carries the shard's size in every chunk's step field.
-            stream = chunks(shards[i], i, self.worker, shards[i].numel(), self.chunk_bytes, self._view(shards[i]))
-            return self._call(i, "InitParams", lambda: self.stubs[i].InitParams(stream, timeout=self.timeout_s, metadata=self.metadata))
+            stream = encoded_chunks(shards[i], i, self.worker, shards[i].numel(), self.chunk_bytes, self._view(shards[i]))
+            return self._call(i, "InitParams", lambda: self._init[i](stream, timeout=self.timeout_s, metadata=self.metadata))
 
         return self._each(send)
 
     def push(self, grads: list[torch.Tensor], base_versions: list[int]) -> list[pb.PushReply]:
         def send(i: int) -> pb.PushReply:
-            stream = chunks(grads[i], i, self.worker, base_versions[i], self.chunk_bytes, self._view(grads[i]))
-            return self._call(i, "Push", lambda: self.stubs[i].Push(stream, timeout=self.timeout_s, metadata=self.metadata))
+            stream = encoded_chunks(grads[i], i, self.worker, base_versions[i], self.chunk_bytes, self._view(grads[i]))
+            return self._call(i, "Push", lambda: self._push[i](stream, timeout=self.timeout_s, metadata=self.metadata))
 
         return self._each(send)
 
     def pull(self, params: list[torch.Tensor], clock: int) -> PullResult:
         def receive(i: int) -> tuple[int, float, int]:
             def run() -> tuple[int, float, int]:
-                call = self.stubs[i].Pull(pb.PullRequest(worker=self.worker, shard=i, clock=clock),
-                                          timeout=self.timeout_s, metadata=self.metadata)  # fmt: skip
+                call = self._pull[i](pb.PullRequest(worker=self.worker, shard=i, clock=clock),
+                                     timeout=self.timeout_s, metadata=self.metadata)  # fmt: skip
                 version, received = -1, 0
                 for chunk in call:
+                    if chunk.malformed or chunk.offset + chunk.length > params[i].numel():
+                        raise PsError(f"ps shard {i} at {self.addresses[i]}: Pull: bad chunk {chunk.malformed}")
                     copy_in(params[i], chunk.offset, chunk.data)
                     version, received = chunk.step, received + chunk.length
                 if received != params[i].numel():

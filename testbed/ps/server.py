@@ -40,7 +40,10 @@ from omegaconf import OmegaConf
 from testbed.optim import build_optimizer
 from testbed.ps import parameter_server_pb2 as pb
 from testbed.ps import parameter_server_pb2_grpc as pb_grpc
-from testbed.ps.wire import CHANNEL_OPTIONS, FROM_WIRE, TO_WIRE, TOKEN_HEADER, byte_view, chunks, copy_in, token_from_env
+from testbed.ps.wire import (
+    CHANNEL_OPTIONS, FROM_WIRE, SERVICE, TO_WIRE, TOKEN_HEADER, Chunk, byte_view, copy_in, decode_chunk, encoded_chunks,
+    keep_freed_memory, passthrough, token_from_env,
+)  # fmt: skip
 
 log = logging.getLogger("testbed.ps.server")
 MODES = ("sync", "async", "ssp")
@@ -72,7 +75,7 @@ class Shard:
 
     # --- initialisation -----------------------------------------------------------------------
 
-    def init_params(self, stream: Iterator[pb.TensorChunk]) -> None:
+    def init_params(self, stream: Iterator[Chunk]) -> None:
         first = next(stream, None)
         if first is None:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "InitParams: empty stream")
@@ -98,6 +101,8 @@ class Shard:
             self.params.grad = torch.zeros_like(values)
             self.optimizer = build_optimizer(self.optim_cfg, [self.params])
             self.staging = torch.zeros(self.workers, numel, dtype=dtype)
+            if self.workers == 1:  # a lone worker's staged push is the gradient: no copy, no mean
+                self.params.grad = self.staging[0]
             self.snapshots = torch.zeros(self.workers, numel, dtype=dtype) if self.mode != "sync" else None
             self.stats["bytes_in"] += numel * values.element_size()
 
@@ -110,7 +115,7 @@ class Shard:
 
     # --- push ---------------------------------------------------------------------------------
 
-    def push(self, stream: Iterator[pb.TensorChunk]) -> pb.PushReply:
+    def push(self, stream: Iterator[Chunk]) -> pb.PushReply:
         first = next(stream, None)
         if first is None:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "Push: empty stream")
@@ -154,15 +159,17 @@ class Shard:
             if self.mode == "sync":
                 self.pending.add(worker)
                 if len(self.pending) == self.workers:
-                    # Summed in worker order, so the result does not depend on arrival order.
-                    torch.sum(self.staging, dim=0, out=self.params.grad)
-                    self.params.grad.div_(self.workers)
+                    if self.workers > 1:
+                        # Summed in worker order, so the result does not depend on arrival order.
+                        torch.sum(self.staging, dim=0, out=self.params.grad)
+                        self.params.grad.div_(self.workers)
                     self._apply()
                     self.pending.clear()
                 staleness = 0
             else:
                 staleness = self.version - base
-                self.params.grad.copy_(self.staging[worker]).div_(self.workers)
+                if self.workers > 1:
+                    torch.div(self.staging[worker], self.workers, out=self.params.grad)
                 self._apply()
             self.histogram[staleness] += 1
             self.cond.notify_all()
@@ -177,7 +184,7 @@ class Shard:
 
     # --- pull ---------------------------------------------------------------------------------
 
-    def pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.TensorChunk]:
+    def pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         worker, clock = request.worker, request.clock
         with self.cond:
             params = self._require_params()
@@ -203,7 +210,7 @@ class Shard:
             self.stats["bytes_out"] += params.numel() * params.element_size()
             slowest = min(self.clocks)
         context.send_initial_metadata((("blocked-seconds", f"{blocked:.9f}"), ("slowest-clock", str(slowest))))
-        yield from chunks(source, self.shard, 0, version, self.chunk_bytes, byte_view(source))
+        yield from encoded_chunks(source, self.shard, 0, version, self.chunk_bytes, byte_view(source))
 
     def _may_pull(self, worker: int, clock: int) -> bool:
         if self.mode == "sync":
@@ -245,9 +252,11 @@ class Shard:
         if worker >= self.workers:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"worker {worker} out of range [0, {self.workers})")
 
-    def _check_chunk(self, chunk: pb.TensorChunk, expected: int, numel: int, dtype: torch.dtype, worker_bound: int) -> None:
+    def _check_chunk(self, chunk: Chunk, expected: int, numel: int, dtype: torch.dtype, worker_bound: int) -> None:
         problem = None
-        if chunk.shard != self.shard:
+        if chunk.malformed:
+            problem = chunk.malformed
+        elif chunk.shard != self.shard:
             problem = f"shard {chunk.shard}, this is shard {self.shard}"
         elif chunk.worker >= worker_bound:
             problem = f"worker {chunk.worker} out of range [0, {worker_bound})"
@@ -263,7 +272,7 @@ class Shard:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"chunk refused: {problem}")
 
 
-def _chain(first: pb.TensorChunk, rest: Iterator[pb.TensorChunk]) -> Iterator[pb.TensorChunk]:
+def _chain(first: Chunk, rest: Iterator[Chunk]) -> Iterator[Chunk]:
     yield first
     yield from rest
 
@@ -308,6 +317,22 @@ class Servicer(pb_grpc.ParameterServerServicer):
     def Shutdown(self, request, context):  # noqa: N802
         threading.Thread(target=self._stop, daemon=True).start()  # reply first, then stop
         return pb.ShutdownReply()
+
+
+def add_servicer(servicer: Servicer, server: grpc.Server) -> None:
+    """Register the service with the fast TensorChunk path: chunks in are decoded without copying
+    their payload, chunks out are encoded with one copy (testbed.ps.wire)."""
+    std = grpc.unary_unary_rpc_method_handler
+    handlers = {
+        "Register": std(servicer.Register, pb.RegisterRequest.FromString, pb.ShardInfo.SerializeToString),
+        "InitParams": grpc.stream_unary_rpc_method_handler(servicer.InitParams, decode_chunk, pb.ShardInfo.SerializeToString),
+        "Push": grpc.stream_unary_rpc_method_handler(servicer.Push, decode_chunk, pb.PushReply.SerializeToString),
+        "Pull": grpc.unary_stream_rpc_method_handler(servicer.Pull, pb.PullRequest.FromString, passthrough),
+        "Clock": std(servicer.Clock, pb.ClockRequest.FromString, pb.ClockReply.SerializeToString),
+        "Stats": std(servicer.Stats, pb.StatsRequest.FromString, pb.StatsReply.SerializeToString),
+        "Shutdown": std(servicer.Shutdown, pb.ShutdownRequest.FromString, pb.ShutdownReply.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
 
 
 class TokenInterceptor(grpc.ServerInterceptor):
@@ -356,7 +381,7 @@ def serve(args: argparse.Namespace) -> None:
         server.stop(grace=2.0).wait()
         stopped.set()
 
-    pb_grpc.add_ParameterServerServicer_to_server(Servicer(shard, stop), server)
+    add_servicer(Servicer(shard, stop), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     if port == 0:
@@ -395,6 +420,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> None:
     logging.basicConfig(level=logging.INFO, format="[ps] %(asctime)s %(message)s", stream=sys.stdout, force=True)
     torch.set_num_threads(1)
+    keep_freed_memory()
     serve(parse_args(argv))
 
 
