@@ -75,7 +75,7 @@ class Shard:
 
     # --- initialisation -----------------------------------------------------------------------
 
-    def init_params(self, stream: Iterator[Chunk]) -> None:
+    def init_params(self, stream: Iterator[Chunk]) -> pb.ShardInfo:
         first = next(stream, None)
         if first is None:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "InitParams: empty stream")
@@ -105,6 +105,11 @@ class Shard:
                 self.params.grad = self.staging[0]
             self.snapshots = torch.zeros(self.workers, numel, dtype=dtype) if self.mode != "sync" else None
             self.stats["bytes_in"] += numel * values.element_size()
+        return self.info()
+
+    def register(self, worker: int) -> pb.ShardInfo:
+        self._check_worker(worker)
+        return self.info()
 
     def info(self) -> pb.ShardInfo:
         with self.cond:
@@ -292,10 +297,10 @@ class Servicer(pb_grpc.ParameterServerServicer):
             context.abort(refused.code, str(refused))
 
     def Register(self, request, context):  # noqa: N802 (gRPC method names)
-        return self._guard(context, lambda: (self.shard._check_worker(request.worker), self.shard.info())[1])
+        return self._guard(context, lambda: self.shard.register(request.worker))
 
     def InitParams(self, request_iterator, context):  # noqa: N802
-        return self._guard(context, lambda: (self.shard.init_params(request_iterator), self.shard.info())[1])
+        return self._guard(context, lambda: self.shard.init_params(request_iterator))
 
     def Push(self, request_iterator, context):  # noqa: N802
         return self._guard(context, lambda: self.shard.push(request_iterator))
