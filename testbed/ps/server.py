@@ -98,11 +98,10 @@ class Shard:
             # Preallocated once: the parameters, the gradient the optimizer reads, each worker's
             # staged push, and (async/ssp) each worker's pull snapshot.
             self.params = torch.nn.Parameter(values)
-            self.params.grad = torch.zeros_like(values)
-            self.optimizer = build_optimizer(self.optim_cfg, [self.params])
             self.staging = torch.zeros(self.workers, numel, dtype=dtype)
-            if self.workers == 1:  # a lone worker's staged push is the gradient: no copy, no mean
-                self.params.grad = self.staging[0]
+            # A lone worker's staged push is the gradient itself: no copy, no mean.
+            self.params.grad = self.staging[0] if self.workers == 1 else torch.zeros_like(values)
+            self.optimizer = build_optimizer(self.optim_cfg, [self.params])
             self.snapshots = torch.zeros(self.workers, numel, dtype=dtype) if self.mode != "sync" else None
             self.stats["bytes_in"] += numel * values.element_size()
         return self.info()
