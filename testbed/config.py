@@ -52,24 +52,31 @@ class NcclAlgo(enum.Enum):
 
 
 @dataclass
-class NoneSyncConfig:
+class SyncBase:
+    # Micro-steps per optimizer step: k forward/backward passes accumulate gradients, and only the
+    # last one (the window's boundary) communicates. The global batch grows k-fold.
+    accumulate: int = 1
+
+
+@dataclass
+class NoneSyncConfig(SyncBase):
     name: str = "none"
 
 
 @dataclass
-class AllReduceSyncConfig:
+class AllReduceSyncConfig(SyncBase):
     name: str = "allreduce"
     # Forces NCCL's algorithm (exported as NCCL_ALGO before the communicator exists); ignored by Gloo.
     nccl_algo: Optional[NcclAlgo] = None
 
 
 @dataclass
-class RingSyncConfig:
+class RingSyncConfig(SyncBase):
     name: str = "ring"
 
 
 @dataclass
-class TreeSyncConfig:
+class TreeSyncConfig(SyncBase):
     name: str = "tree"
     # Pipelining granularity: the buffer moves up and down the tree in chunks of this size.
     chunk_kb: int = 1024
@@ -77,11 +84,25 @@ class TreeSyncConfig:
     double: bool = True
 
 
+@dataclass
+class DdpSyncConfig(SyncBase):
+    name: str = "ddp"
+    bucket_mb: float = 25.0  # DistributedDataParallel's bucket_cap_mb
+
+
+@dataclass
+class LocalSgdSyncConfig(SyncBase):
+    name: str = "local_sgd"
+    period: int = 8  # H: parameters are averaged every H optimizer steps
+    sync_steps: int = 0  # post-local SGD: fully synchronous (gradient all-reduce) for the first K steps
+    over: str = "allreduce"  # the averaging collective: allreduce (the backend's) | ring
+
+
 PS_MODES = ("sync", "async", "ssp")
 
 
 @dataclass
-class PsSyncConfig:
+class PsSyncConfig(SyncBase):
     name: str = "ps"
     mode: str = "sync"  # sync (BSP) | async (ASP) | ssp (bounded staleness)
     staleness: int = 2  # ssp: how many clocks a worker may lead the slowest one
@@ -196,6 +217,8 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
         "ring": RingSyncConfig,
         "tree": TreeSyncConfig,
         "ps": PsSyncConfig,
+        "ddp": DdpSyncConfig,
+        "local_sgd": LocalSgdSyncConfig,
     },
     "model": {"mlp": MlpConfig, "cnn": CnnConfig, "transformer": TransformerConfig},
     "data": {"synthetic": DataConfig, "lm": DataConfig, "digits": DataConfig},
@@ -242,7 +265,8 @@ def per_rank_batch(cfg: DictConfig) -> int:
 
 
 def global_batch(cfg: DictConfig) -> int:
-    return per_rank_batch(cfg) * int(cfg.world_size)
+    """Samples per optimizer step over all ranks and accumulation micro-steps."""
+    return per_rank_batch(cfg) * int(cfg.world_size) * int(cfg.sync.accumulate)
 
 
 def validate(cfg: DictConfig, local_world_size: Optional[int] = None) -> None:
@@ -287,10 +311,17 @@ def validate(cfg: DictConfig, local_world_size: Optional[int] = None) -> None:
             cfg.model.d_model % cfg.model.n_head == 0,
             f"model.d_model={cfg.model.d_model} does not divide by model.n_head={cfg.model.n_head}",
         )
+    _require(cfg.sync.accumulate >= 1, f"sync.accumulate={cfg.sync.accumulate}: must be >= 1 (1 = no accumulation)")
     if cfg.sync.name == "tree":
         _require(cfg.sync.chunk_kb >= 1, f"sync.chunk_kb={cfg.sync.chunk_kb}: must be >= 1")
     if cfg.sync.name == "ps":
         _validate_ps(cfg)
+    if cfg.sync.name == "ddp":
+        _require(cfg.sync.bucket_mb > 0, f"sync.bucket_mb={cfg.sync.bucket_mb}: must be > 0 (DDP's bucket cap)")
+    if cfg.sync.name == "local_sgd":
+        _require(cfg.sync.period >= 1, f"sync.period={cfg.sync.period}: must be >= 1")
+        _require(cfg.sync.sync_steps >= 0, f"sync.sync_steps={cfg.sync.sync_steps}: must be >= 0")
+        _require(cfg.sync.over in ("allreduce", "ring"), f"sync.over={cfg.sync.over}: allowed: allreduce|ring")
 
     device = enum_value(cfg.device)
     backend = enum_value(cfg.backend)
@@ -305,7 +336,7 @@ def validate(cfg: DictConfig, local_world_size: Optional[int] = None) -> None:
             f"backend=nccl needs one CUDA GPU per local rank ({local} local ranks, {gpus} GPUs visible); "
             "use backend=gloo (or device=cpu), or fewer ranks per machine",
         )
-    if cfg.sync.name in ("ring", "tree") and cfg.world_size > 1:
+    if (cfg.sync.name in ("ring", "tree") or cfg.sync.get("over") == "ring") and cfg.world_size > 1:
         # Gloo has no CUDA send/recv, and NCCL ignores message tags and serialises ungrouped
         # point-to-point calls, which the pipelined schedules rely on; they are verified on Gloo.
         _require(

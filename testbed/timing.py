@@ -43,13 +43,20 @@ class StepTimes:
 
 
 class StepClock:
-    """Marks the phase boundaries of one step: ``start()``, then ``mark()`` once per phase, ``finish()``."""
+    """Times the phases of one step: ``start()``, ``mark(phase)`` at the end of each phase, ``finish()``.
 
-    def __init__(self, device: torch.device, clock_offset_s: float = 0.0) -> None:
+    A phase may repeat (gradient accumulation runs data/forward/backward/sync once per micro-step);
+    its durations add up. ``sync_enter``/``sync_exit`` are those of the last sync phase, the one
+    that communicates.
+    """
+
+    def __init__(self, device: torch.device, clock_offset_s: float = 0.0, micro_steps: int = 1) -> None:
         self.cuda = device.type == "cuda"
         self.offset = clock_offset_s
+        self.max_marks = 4 * micro_steps + 1  # data, forward, backward, sync per micro-step; optimizer
         if self.cuda:
-            self._events = [torch.cuda.Event(enable_timing=True) for _ in range(len(PHASES) + 1)]
+            self._events = [torch.cuda.Event(enable_timing=True) for _ in range(self.max_marks + 1)]
+        self._names: list[str] = []
         self._marks: list[float] = []
         self._start_wall = 0.0
 
@@ -57,34 +64,37 @@ class StepClock:
         # On CUDA the stream is idle here (finish() waited for the previous step), so the first
         # event fires at this wall-clock time and event offsets convert to absolute times.
         self._start_wall = time.time() + self.offset
+        self._names = []
         if self.cuda:
-            self._n = 0
             self._events[0].record()
         else:
             self._marks = [time.perf_counter()]
 
-    def mark(self) -> None:
+    def mark(self, phase: str) -> None:
+        if len(self._names) == self.max_marks:
+            raise RuntimeError(f"StepClock: more than {self.max_marks} phase marks in one step")
+        self._names.append(phase)
         if self.cuda:
-            if self._n == len(PHASES):
-                raise RuntimeError(f"StepClock: more than {len(PHASES)} phases marked")
-            self._n += 1
-            self._events[self._n].record()
+            self._events[len(self._names)].record()
         else:
             self._marks.append(time.perf_counter())
 
     def finish(self) -> StepTimes:
+        missing = set(PHASES) - set(self._names)
+        if missing or not set(self._names) <= set(PHASES):
+            raise RuntimeError(f"StepClock: marked {self._names}; every phase of {PHASES} is needed, no others")
         if self.cuda:
-            if self._n != len(PHASES):
-                raise RuntimeError(f"StepClock: {self._n} phases marked, expected {len(PHASES)}")
-            self._events[-1].synchronize()
-            durations = [a.elapsed_time(b) / 1000.0 for a, b in zip(self._events, self._events[1:])]
+            events = self._events[: len(self._names) + 1]
+            events[-1].synchronize()
+            durations = [a.elapsed_time(b) / 1000.0 for a, b in zip(events, events[1:])]
         else:
             durations = [b - a for a, b in zip(self._marks, self._marks[1:])]
-        if len(durations) != len(PHASES):
-            raise RuntimeError(f"StepClock: {len(durations)} phases marked, expected {len(PHASES)}")
-        phases = dict(zip(PHASES, durations))
-        enter = self._start_wall + phases["data"] + phases["forward"] + phases["backward"]
-        return StepTimes(phases, enter, enter + phases["sync"])
+        phases = dict.fromkeys(PHASES, 0.0)
+        for name, duration in zip(self._names, durations):
+            phases[name] += duration
+        last_sync = len(self._names) - 1 - self._names[::-1].index("sync")
+        enter = self._start_wall + sum(durations[:last_sync])
+        return StepTimes(phases, enter, enter + durations[last_sync])
 
 
 def synchronize(device: torch.device) -> None:

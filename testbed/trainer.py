@@ -32,7 +32,6 @@ def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 class Trainer:
     def __init__(
         self,
-        model: nn.Module,
         optimizer: torch.optim.Optimizer,
         sync: Synchronizer,
         batches: RankBatches,
@@ -43,7 +42,8 @@ class Trainer:
         log_every: int = 0,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy,
     ) -> None:
-        self.model, self.optimizer, self.sync, self.batches = model, optimizer, sync, batches
+        # The model is the synchronizer's (sync.module): a wrapper such as DDP may stand in front of it.
+        self.optimizer, self.sync, self.batches = optimizer, sync, batches
         self.world, self.step_log, self.steps, self.loss_fn = world, step_log, steps, loss_fn
         self.autocast: Any = (
             torch.autocast(device_type=world.device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
@@ -51,36 +51,44 @@ class Trainer:
         self.log_every = log_every or max(1, steps // 10)
 
     def run(self) -> list[dict[str, Any]]:
-        device, world = self.world.device, self.world
-        clock = StepClock(device, world.clock_offset_s)
+        device, world, sync = self.world.device, self.world, self.sync
+        k = sync.accumulate
+        clock = StepClock(device, world.clock_offset_s, micro_steps=k)
         non_blocking = device.type == "cuda"
         records: list[dict[str, Any]] = []
         began = time.perf_counter()
-        self.model.train()
+        sync.module.train()
         for step in range(self.steps):
             clock.start()
-            inputs, targets = self.batches.batch(step)
-            inputs = inputs.to(device, non_blocking=non_blocking)
-            targets = targets.to(device, non_blocking=non_blocking)
-            clock.mark()
-            with self.autocast:
-                loss = self.loss_fn(self.model(inputs), targets)
-            clock.mark()
-            loss.backward()
-            clock.mark()
-            report = self.sync.after_backward(step, is_boundary=True)
-            clock.mark()
-            if not self.sync.steps_optimizer:
+            losses, samples = [], 0
+            for micro in range(k):
+                boundary = micro == k - 1
+                inputs, targets = self.batches.batch(step * k + micro)
+                inputs = inputs.to(device, non_blocking=non_blocking)
+                targets = targets.to(device, non_blocking=non_blocking)
+                clock.mark("data")
+                with sync.micro_step(boundary):
+                    with self.autocast:
+                        loss = self.loss_fn(sync.module(inputs), targets)
+                    clock.mark("forward")
+                    # Each micro-batch's mean counts 1/k: the window's gradient is that of its whole batch.
+                    (loss / k if k > 1 else loss).backward()
+                    clock.mark("backward")
+                report = sync.after_backward(step, is_boundary=boundary)
+                clock.mark("sync")
+                losses.append(loss.detach())
+                samples += int(inputs.shape[0])
+            if not sync.steps_optimizer:
                 self.optimizer.step()
-            self.sync.zero_grad()
-            clock.mark()
+            sync.zero_grad()
+            clock.mark("optimizer")
             times = clock.finish()
             phases = times.phases
             record = {
                 "step": step,
                 "rank": world.rank,
-                "samples": int(inputs.shape[0]),
-                "loss": loss.item(),
+                "samples": samples,
+                "loss": (losses[0] if k == 1 else torch.stack(losses).mean()).item(),
                 "t_data": phases["data"],
                 "t_forward": phases["forward"],
                 "t_backward": phases["backward"],

@@ -35,7 +35,7 @@ def test_options_on_disk_match_schemas() -> None:
 
 BAD = {
     "wrong type": (["world_size=abc"], "world_size"),
-    "unknown option": (["sync=foo"], "sync=foo: unknown option; allowed: allreduce|none|ps|ring|tree"),
+    "unknown option": (["sync=foo"], "sync=foo: unknown option; allowed: allreduce|ddp|local_sgd|none|ps|ring|tree"),
     "unknown key": (["sync.foo=1"], "sync.foo: unknown key"),
     "bad enum": (["data.scaling=bogus"], "data.scaling"),
     "world_size < 1": (["world_size=0"], "world_size=0"),

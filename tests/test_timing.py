@@ -38,9 +38,9 @@ def test_no_wait_without_peers_and_unknown_for_missing_steps() -> None:
 def test_step_clock_measures_each_phase() -> None:
     clock = StepClock(torch.device("cpu"))
     clock.start()
-    for i, _ in enumerate(PHASES):
+    for i, name in enumerate(PHASES):
         time.sleep(0.01 * (i + 1))
-        clock.mark()
+        clock.mark(name)
     times = clock.finish()
     assert list(times.phases) == list(PHASES)
     for i, name in enumerate(PHASES):
@@ -52,9 +52,26 @@ def test_step_clock_measures_each_phase() -> None:
 def test_step_clock_rejects_missing_marks() -> None:
     clock = StepClock(torch.device("cpu"))
     clock.start()
-    clock.mark()
-    with pytest.raises(RuntimeError, match="1 phases marked"):
+    clock.mark("data")
+    with pytest.raises(RuntimeError, match="every phase"):
         clock.finish()
+
+
+def test_step_clock_adds_up_micro_steps_and_keeps_the_last_sync() -> None:
+    clock = StepClock(torch.device("cpu"), micro_steps=2)
+    clock.start()
+    for micro in range(2):
+        for name in ("data", "forward", "backward"):
+            clock.mark(name)
+        time.sleep(0.02 if micro else 0.0)
+        clock.mark("sync")
+    clock.mark("optimizer")
+    times = clock.finish()
+    assert times.phases["sync"] >= 0.02
+    assert times.sync_exit - times.sync_enter >= 0.02  # the boundary's sync, not the no-op one
+    with pytest.raises(RuntimeError, match="more than 9"):
+        for _ in range(10):
+            clock.mark("data")
 
 
 def test_compute_excludes_sync_and_percentiles_interpolate() -> None:

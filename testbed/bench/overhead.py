@@ -68,7 +68,7 @@ def measure(overrides: list[str], steps: int, repeats: int) -> dict:
         sync = build_synchronizer(cfg.sync)
         sync.setup(model, opt, world)
         log = StepLog(Path(tmp) / f"rank0-{r}.jsonl")
-        trainer = Trainer(model, opt, sync, batches, world, log, steps, bf16=bf16, log_every=10**9)
+        trainer = Trainer(opt, sync, batches, world, log, steps, bf16=bf16, log_every=10**9)
         synchronize(device)
         start = time.perf_counter()
         trainer.run()

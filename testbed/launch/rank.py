@@ -58,7 +58,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str) -> Optional[dict[str, Any
         sync.setup(model, optimizer, world)
         step_log = StepLog(metrics_path(Path(job_dir), world.rank))
         trainer = Trainer(
-            model, optimizer, sync, batches, world, step_log, cfg.steps,
+            optimizer, sync, batches, world, step_log, cfg.steps,
             bf16=cfg.precision == "bf16", log_every=cfg.log_every,
         )  # fmt: skip
         try:

@@ -25,6 +25,6 @@ def build_synchronizer(cfg: Any) -> Synchronizer:
 
 
 # Importing the implementations registers them.
-from testbed.sync import allreduce, none, ps, ring, tree  # noqa: E402,F401
+from testbed.sync import allreduce, ddp, local_sgd, none, ps, ring, tree  # noqa: E402,F401
 
 __all__ = ["REGISTRY", "FlatGradSynchronizer", "SyncReport", "Synchronizer", "build_synchronizer", "register"]

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, ContextManager, Optional
 
 import torch
 from torch import nn
@@ -41,9 +42,15 @@ class Synchronizer(ABC):
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
+        self.accumulate = int(cfg.get("accumulate", 1))
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> None:
         self.model, self.optimizer, self.world = model, optimizer, world
+        self.module: nn.Module = model  # what the trainer runs forward through (a wrapper may replace it)
+
+    def micro_step(self, is_boundary: bool) -> ContextManager[None]:
+        """Context around one micro-step's forward and backward (DDP must know during forward)."""
+        return nullcontext()
 
     @abstractmethod
     def after_backward(self, step: int, is_boundary: bool = True) -> SyncReport:
@@ -91,8 +98,10 @@ class FlatGradSynchronizer(Synchronizer):
         self.scratch = [self.make_scratch(flat) for flat in self.buffers]
 
     def after_backward(self, step: int, is_boundary: bool = True) -> SyncReport:
-        self._rebind_grads()
         report = SyncReport()
+        if not is_boundary:  # accumulate locally; communicate once per window
+            return report
+        self._rebind_grads()
         for flat, scratch in zip(self.buffers, self.scratch):
             traffic = self.allreduce_(flat, scratch)
             report.bytes_sent += traffic[0]
@@ -126,3 +135,25 @@ class FlatGradSynchronizer(Synchronizer):
 
     def describe(self) -> dict[str, Any]:
         return {"buffer_bytes": sum(b.numel() * b.element_size() for b in self.buffers)}
+
+
+def flat_views(model: nn.Module, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move the trainable parameters and their gradients into two flat buffers the tensors view.
+
+    Collectives and transfers then work on one contiguous tensor each, with no packing copy.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) != 1:
+        raise ValueError(f"flat parameter buffers need one dtype, got {sorted(map(str, dtypes))}")
+    numel = sum(p.numel() for p in params)
+    flat_params = torch.empty(numel, dtype=params[0].dtype, device=device)
+    flat_grads = torch.zeros(numel, dtype=params[0].dtype, device=device)
+    offset = 0
+    for p in params:
+        view = flat_params[offset : offset + p.numel()].view_as(p)
+        view.copy_(p.detach())
+        p.data = view
+        p.grad = flat_grads[offset : offset + p.numel()].view_as(p)
+        offset += p.numel()
+    return flat_params, flat_grads

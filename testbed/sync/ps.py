@@ -17,7 +17,7 @@ from testbed.collectives import chunk_bounds
 from testbed.ps.client import PsClient, describe_stats
 from testbed.ps.wire import token_from_env
 from testbed.sync import register
-from testbed.sync.base import Synchronizer, SyncReport
+from testbed.sync.base import Synchronizer, SyncReport, flat_views
 from testbed.world import World
 
 
@@ -28,23 +28,10 @@ class ParameterServerSync(Synchronizer):
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> None:
         super().setup(model, optimizer, world)
-        params = [p for p in model.parameters() if p.requires_grad]
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) != 1:
-            raise ValueError(f"sync=ps needs parameters of one dtype, got {sorted(map(str, dtypes))}")
-        numel = sum(p.numel() for p in params)
-        servers = int(self.cfg.servers)
+        self.flat_params, self.flat_grads = flat_views(model, world.device)
+        numel, servers = self.flat_params.numel(), int(self.cfg.servers)
         if numel < servers:
             raise ValueError(f"sync.servers={servers} exceeds the model's {numel} parameters")
-        self.flat_params = torch.empty(numel, dtype=params[0].dtype)
-        self.flat_grads = torch.zeros(numel, dtype=params[0].dtype)
-        offset = 0
-        for p in params:
-            view = self.flat_params[offset : offset + p.numel()].view_as(p)
-            view.copy_(p.detach())
-            p.data = view
-            p.grad = self.flat_grads[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
         bounds = chunk_bounds(numel, servers)  # byte-balanced: one dtype, equal element counts
         self.param_shards = [self.flat_params[lo:hi] for lo, hi in bounds]
         self.grad_shards = [self.flat_grads[lo:hi] for lo, hi in bounds]
@@ -64,6 +51,8 @@ class ParameterServerSync(Synchronizer):
         self.versions = self.client.pull(self.param_shards, self.clock).versions
 
     def after_backward(self, step: int, is_boundary: bool = True) -> SyncReport:
+        if not is_boundary:  # accumulate locally; push once per window
+            return SyncReport()
         replies = self.client.push(self.grad_shards, self.versions)
         self.clock += 1
         pulled = self.client.pull(self.param_shards, self.clock)

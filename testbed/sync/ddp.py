@@ -1,0 +1,54 @@
+"""torch's DistributedDataParallel behind the common interface: the industry reference.
+
+DDP buckets gradients (``sync.bucket_mb``), all-reduces each bucket during backward as soon as it
+is ready, and skips communication inside ``no_sync()``, which wraps the non-boundary micro-steps
+of an accumulation window. Its communication therefore happens inside ``t_backward``; ``t_sync``
+is only the end of the step, and ``t_wait`` is 0 (DDP does not expose what it waited for).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, ContextManager
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from testbed.models import gradient_bytes
+from testbed.sync import register
+from testbed.sync.base import Synchronizer, SyncReport
+from testbed.world import World
+
+
+@register("ddp")
+class DdpSync(Synchronizer):
+    waits_for_peers = False
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> None:
+        super().setup(model, optimizer, world)
+        self.module = DistributedDataParallel(
+            model,
+            device_ids=[world.device.index] if world.device.type == "cuda" else None,
+            bucket_cap_mb=float(self.cfg.bucket_mb),
+            gradient_as_bucket_view=True,  # no copy between the buckets and p.grad
+            broadcast_buffers=False,
+        )
+        n = world.world_size
+        self.bytes_per_step = 2 * (n - 1) * gradient_bytes(model) // n  # what its ring all-reduce moves
+
+    def micro_step(self, is_boundary: bool) -> ContextManager[None]:
+        # DDP decides during forward whether backward communicates.
+        return nullcontext() if is_boundary else self.module.no_sync()
+
+    def after_backward(self, step: int, is_boundary: bool = True) -> SyncReport:
+        if not is_boundary:
+            return SyncReport()
+        return SyncReport(bytes_sent=self.bytes_per_step, bytes_recv=self.bytes_per_step)
+
+    def zero_grad(self) -> None:
+        # Zero in place: the grads are views into DDP's buckets.
+        self.optimizer.zero_grad(set_to_none=False)
+
+    def describe(self) -> dict[str, Any]:
+        return {"bucket_mb": float(self.cfg.bucket_mb), "backend": self.world.backend}
