@@ -59,24 +59,33 @@ class SyncBase:
 
 
 @dataclass
+class BucketedSyncConfig(SyncBase):
+    # Gradients are all-reduced in buckets of this many MB, in the order backward produces them;
+    # null: one bucket for all gradients; 0: one collective per tensor.
+    bucket_mb: Optional[float] = None
+    # Start each bucket's collective during backward, as soon as its gradients are ready.
+    overlap: bool = False
+
+
+@dataclass
 class NoneSyncConfig(SyncBase):
     name: str = "none"
 
 
 @dataclass
-class AllReduceSyncConfig(SyncBase):
+class AllReduceSyncConfig(BucketedSyncConfig):
     name: str = "allreduce"
     # Forces NCCL's algorithm (exported as NCCL_ALGO before the communicator exists); ignored by Gloo.
     nccl_algo: Optional[NcclAlgo] = None
 
 
 @dataclass
-class RingSyncConfig(SyncBase):
+class RingSyncConfig(BucketedSyncConfig):
     name: str = "ring"
 
 
 @dataclass
-class TreeSyncConfig(SyncBase):
+class TreeSyncConfig(BucketedSyncConfig):
     name: str = "tree"
     # Pipelining granularity: the buffer moves up and down the tree in chunks of this size.
     chunk_kb: int = 1024
@@ -311,6 +320,8 @@ def validate(cfg: DictConfig, local_world_size: Optional[int] = None) -> None:
             cfg.model.d_model % cfg.model.n_head == 0,
             f"model.d_model={cfg.model.d_model} does not divide by model.n_head={cfg.model.n_head}",
         )
+    bucket = cfg.sync.get("bucket_mb")
+    _require(bucket is None or bucket >= 0, f"sync.bucket_mb={bucket}: must be >= 0 (0: one bucket per tensor) or null")
     _require(cfg.sync.accumulate >= 1, f"sync.accumulate={cfg.sync.accumulate}: must be >= 1 (1 = no accumulation)")
     if cfg.sync.name == "tree":
         _require(cfg.sync.chunk_kb >= 1, f"sync.chunk_kb={cfg.sync.chunk_kb}: must be >= 1")

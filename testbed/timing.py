@@ -16,6 +16,14 @@ the time it sat in sync only because slower ranks had not arrived yet; ``t_sync 
 transfer itself. No barrier is added to measure it: after the last step one all-reduce (max) of
 the enter times gives every rank ``max_j`` per step (``fill_wait_from_latest``), so per-step lines are written with ``t_wait: null`` while the run is in
 progress and completed when it ends. For synchronizers that do not wait for peers, ``t_wait`` is 0.
+Communication that overlaps backward (``sync.overlap``) is split the same way into *busy* and
+*exposed* time. ``t_comm`` (busy) is how long collectives were in flight during the step, hidden
+behind backward or not; ``t_sync`` is the exposed part, the time the step waited after its own
+compute was done for communication still in flight (and for slower ranks: ``t_wait`` is part of
+it). Throughput depends on exposed time only; ``t_comm - t_sync`` is, roughly, what overlap hid.
+Synchronizers that cannot see their collectives (DDP, whose all-reduce runs inside backward)
+record ``t_comm: null``.
+
 A synchronizer may measure the wait itself (a parameter server reports how long it held each pull
 back for slower workers); then its value is recorded as is.
 """

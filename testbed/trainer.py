@@ -95,6 +95,7 @@ class Trainer:
                 "t_sync": phases["sync"],
                 # None: completed after the run from all ranks' arrival times (testbed.timing)
                 "t_wait": report.t_wait,
+                "t_comm": report.t_comm,
                 "t_optimizer": phases["optimizer"],
                 "t_step": times.step,
                 "bytes_sent": report.bytes_sent,

@@ -82,8 +82,9 @@ def summarize(
         "step_time_p10": percentile(step_times, 10),
         "step_time_p90": percentile(step_times, 90),
     }
-    waits_known = all(r["t_wait"] is not None for row in rows for r in row)
-    names = [*PHASES, "wait"] if waits_known else list(PHASES)
+    names = list(PHASES) + [
+        extra for extra in ("wait", "comm") if rows and all(r.get(f"t_{extra}") is not None for row in rows for r in row)
+    ]
     summary["phases"] = {f"t_{p}": _spread([r[f"t_{p}"] for row in rows for r in row]) for p in names}
     compute = [[compute_time(r) for r in row] for row in rows]
     summary["imbalance"] = percentile([max(c) / (sum(c) / len(c)) - 1.0 for c in compute if sum(c) > 0], 50)

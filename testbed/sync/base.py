@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
-from contextlib import nullcontext
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, ClassVar, ContextManager, Optional
+from typing import Any, ClassVar, ContextManager, Iterator, Optional
 
 import torch
 from torch import nn
@@ -23,6 +25,9 @@ class SyncReport:
     # Time blocked on slower ranks, when the synchronizer measures it itself (parameter servers);
     # None: derived from all ranks' arrival times after the run (testbed.timing).
     t_wait: Optional[float] = None
+    # Busy communication time: how long collectives were in flight, overlapped with backward or not
+    # (testbed.timing); None where the synchronizer cannot tell (DDP).
+    t_comm: Optional[float] = None
 
 
 class Synchronizer(ABC):
@@ -71,22 +76,38 @@ class Synchronizer(ABC):
         """Release buffers, threads and connections."""
 
 
-class FlatGradSynchronizer(Synchronizer):
-    """Averages gradients through one preallocated flat buffer per dtype.
+@dataclass
+class Bucket:
+    """A contiguous slice of a flat gradient buffer, all-reduced as one collective."""
 
-    Each ``p.grad`` is made a view into the buffer, so backward accumulates straight into it and
-    the collective runs on one contiguous tensor with no packing copy (DDP's gradient_as_bucket_view).
+    view: torch.Tensor
+    params: list[nn.Parameter]
+
+
+class FlatGradSynchronizer(Synchronizer):
+    """Averages gradients through preallocated flat buffers (one per dtype), bucket by bucket.
+
+    Each ``p.grad`` is a view into a buffer, so backward accumulates straight into it and every
+    collective runs on a contiguous slice with no packing copy (DDP's gradient_as_bucket_view).
+    Parameters are laid out in reverse registration order, roughly the order backward produces
+    their gradients, and cut into buckets of ``sync.bucket_mb`` (null: one bucket per buffer; 0:
+    one per tensor). With ``sync.overlap`` a bucket's collective starts on a communication thread
+    as soon as backward has produced all its gradients, in bucket order on every rank, and the step
+    waits only for what is still in flight; without it the buckets run one by one after backward.
     """
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> None:
         super().setup(model, optimizer, world)
         params = [p for p in model.parameters() if p.requires_grad]
+        cap = self.cfg.get("bucket_mb")
+        cap_bytes = None if cap is None else float(cap) * 2**20
         self.buffers: list[torch.Tensor] = []
+        self.buckets: list[Bucket] = []
         self._views: list[tuple[nn.Parameter, torch.Tensor]] = []
         for dtype in sorted({p.dtype for p in params}, key=str):
-            group = [p for p in params if p.dtype == dtype]
+            group = [p for p in reversed(params) if p.dtype == dtype]
             flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=world.device)
-            offset = 0
+            offset, start, members = 0, 0, []
             for p in group:
                 view = flat[offset : offset + p.numel()].view_as(p)
                 if p.grad is not None:
@@ -94,24 +115,73 @@ class FlatGradSynchronizer(Synchronizer):
                 p.grad = view
                 self._views.append((p, view))
                 offset += p.numel()
+                members.append(p)
+                if cap_bytes is not None and (offset - start) * flat.element_size() >= cap_bytes:
+                    self.buckets.append(Bucket(flat[start:offset], members))
+                    start, members = offset, []
+            if members:
+                self.buckets.append(Bucket(flat[start:offset], members))
             self.buffers.append(flat)
-        self.scratch = [self.make_scratch(flat) for flat in self.buffers]
+        self.scratch = [self.make_scratch(b.view) for b in self.buckets]
+        self.overlap = bool(self.cfg.get("overlap", False)) and world.world_size > 1
+        if self.overlap:
+            self._comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comm")
+            self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
+            self._armed = False
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    # --- overlap: launch each bucket from backward's hooks -----------------------------------
+
+    @contextmanager
+    def _boundary_backward(self) -> Iterator[None]:
+        self._remaining = [len(b.params) for b in self.buckets]
+        self._launched: list[Future] = []
+        self._armed = True
+        try:
+            yield
+        finally:
+            self._armed = False
+
+    def micro_step(self, is_boundary: bool) -> ContextManager[None]:
+        return self._boundary_backward() if self.overlap and is_boundary else nullcontext()
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        self._remaining[self._bucket_of[id(p)]] -= 1
+        # Launch in bucket order only, so that every rank issues the same collectives in the same order.
+        while len(self._launched) < len(self.buckets) and self._remaining[len(self._launched)] == 0:
+            self._launched.append(self._comm.submit(self._run_bucket, len(self._launched)))
+
+    # --- the step --------------------------------------------------------------------------------
+
+    def _run_bucket(self, index: int) -> tuple[int, int, float]:
+        start = time.perf_counter()
+        sent, recv = self.allreduce_(self.buckets[index].view, self.scratch[index])
+        return sent, recv, time.perf_counter() - start
 
     def after_backward(self, step: int, is_boundary: bool = True) -> SyncReport:
-        report = SyncReport()
         if not is_boundary:  # accumulate locally; communicate once per window
-            return report
-        self._rebind_grads()
-        for flat, scratch in zip(self.buffers, self.scratch):
-            traffic = self.allreduce_(flat, scratch)
-            report.bytes_sent += traffic[0]
-            report.bytes_recv += traffic[1]
-            if self.world.world_size > 1:
-                flat.div_(self.world.world_size)
-        return report
+            return SyncReport()
+        if self.world.world_size == 1:
+            return SyncReport(t_comm=0.0)
+        if self.overlap:
+            for index in range(len(self._launched), len(self.buckets)):  # parameters backward did not reach
+                self._launched.append(self._comm.submit(self._run_bucket, index))
+            results = [future.result() for future in self._launched]
+        else:
+            self._rebind_grads()
+            results = [self._run_bucket(index) for index in range(len(self.buckets))]
+        for flat in self.buffers:
+            flat.div_(self.world.world_size)
+        # One communication thread runs the buckets one at a time: busy time is the sum.
+        return SyncReport(
+            bytes_sent=sum(r[0] for r in results), bytes_recv=sum(r[1] for r in results), t_comm=sum(r[2] for r in results)
+        )
 
-    def make_scratch(self, flat: torch.Tensor) -> Optional[torch.Tensor]:
-        """Working memory the algorithm reuses every step for ``flat`` (allocated once, at setup)."""
+    def make_scratch(self, bucket: torch.Tensor) -> Optional[torch.Tensor]:
+        """Working memory the algorithm reuses every step for ``bucket`` (allocated once, at setup)."""
         return None
 
     @abstractmethod
@@ -134,7 +204,16 @@ class FlatGradSynchronizer(Synchronizer):
                 p.grad = view
 
     def describe(self) -> dict[str, Any]:
-        return {"buffer_bytes": sum(b.numel() * b.element_size() for b in self.buffers)}
+        return {
+            "buffer_bytes": sum(b.numel() * b.element_size() for b in self.buffers),
+            "buckets": len(self.buckets),
+            "bucket_mb": self.cfg.get("bucket_mb"),
+            "overlap": self.overlap,
+        }
+
+    def close(self) -> None:
+        if self.overlap:
+            self._comm.shutdown(wait=True)
 
 
 def flat_views(model: nn.Module, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
