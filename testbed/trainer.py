@@ -13,7 +13,6 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from testbed.data import RankBatches
 from testbed.results.step_log import StepLog

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from conftest import load_params, read_json, read_jsonl, relative_error, run_cli
 
 TOL = 1e-5

@@ -5,13 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 from hydra import compose, initialize_config_dir
 
-from conftest import run_cli
 from testbed import config
 from testbed.config import ConfigError, validate
 from testbed.paths import config_dir
 from testbed.preflight import check_command_line
+
 GROUPS = {group: sorted(p.stem for p in (Path(config_dir()) / group).glob("*.yaml")) for group in config.GROUP_SCHEMAS}
 
 

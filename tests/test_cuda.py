@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import load_params, read_json, read_jsonl, relative_error, run_cli
 
 pytestmark = [

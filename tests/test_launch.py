@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import cli_env, read_json, read_jsonl, run_cli
+from conftest import cli_env, read_json, read_jsonl
 
 
 def torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:

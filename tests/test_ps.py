@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import cli_env, load_params, read_json, read_jsonl, run_cli
 from test_equivalence import COMMON, TOL, relative_error
 

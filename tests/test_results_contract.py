@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import load_params, read_json, read_jsonl, run_cli
+
 from testbed.results.step_log import STEP_FIELDS
 
 STEPS = 8

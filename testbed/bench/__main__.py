@@ -15,6 +15,7 @@ from testbed.bench.collectives import IMPLS, bench_rank
 from testbed.bench.table import format_results, parse_bytes, size_series
 from testbed.launch.spawn import RankFailure, spawn_world
 
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m testbed.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", default="2,4", help="comma-separated, e.g. 2,4")

@@ -22,11 +22,11 @@ from testbed import config
 from testbed.data import build_data
 from testbed.models import build_model
 from testbed.optim import build_optimizer
+from testbed.paths import config_dir
 from testbed.results.step_log import StepLog
 from testbed.sync import build_synchronizer
-from testbed.trainer import Trainer, cross_entropy
-from testbed.paths import config_dir
 from testbed.timing import synchronize
+from testbed.trainer import Trainer, cross_entropy
 from testbed.world import World
 
 

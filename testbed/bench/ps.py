@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from testbed.bench.table import format_results, parse_bytes
 from testbed.bench.collectives import bench_rank, default_iters
+from testbed.bench.table import format_results, parse_bytes
 from testbed.collectives import chunk_bounds
 from testbed.launch.spawn import RankFailure, spawn_world
 from testbed.ps import parameter_server_pb2 as pb

@@ -16,7 +16,14 @@ import torch
 from testbed.ps import parameter_server_pb2 as pb
 from testbed.ps import parameter_server_pb2_grpc as pb_grpc
 from testbed.ps.wire import (
-    CHANNEL_OPTIONS, SERVICE, auth_metadata, byte_view, copy_in, decode_chunk, encoded_chunks, keep_freed_memory,
+    CHANNEL_OPTIONS,
+    SERVICE,
+    auth_metadata,
+    byte_view,
+    copy_in,
+    decode_chunk,
+    encoded_chunks,
+    keep_freed_memory,
     passthrough,
 )  # fmt: skip
 

@@ -41,8 +41,19 @@ from testbed.optim import build_optimizer
 from testbed.ps import parameter_server_pb2 as pb
 from testbed.ps import parameter_server_pb2_grpc as pb_grpc
 from testbed.ps.wire import (
-    CHANNEL_OPTIONS, FROM_WIRE, SERVICE, TO_WIRE, TOKEN_HEADER, Chunk, byte_view, copy_in, decode_chunk, encoded_chunks,
-    keep_freed_memory, passthrough, token_from_env,
+    CHANNEL_OPTIONS,
+    FROM_WIRE,
+    SERVICE,
+    TO_WIRE,
+    TOKEN_HEADER,
+    Chunk,
+    byte_view,
+    copy_in,
+    decode_chunk,
+    encoded_chunks,
+    keep_freed_memory,
+    passthrough,
+    token_from_env,
 )  # fmt: skip
 
 log = logging.getLogger("testbed.ps.server")

@@ -14,7 +14,6 @@ import torch
 from omegaconf import OmegaConf
 
 from testbed import config
-
 from testbed.results.step_log import metrics_path, read_step_log
 from testbed.sync import REGISTRY
 from testbed.timing import PHASES, compute_time, fill_wait, percentile
