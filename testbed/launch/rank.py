@@ -66,14 +66,14 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str) -> Optional[dict[str, Any
         finally:
             step_log.close()  # everything written before the exchange (or the crash report)
         sync.finalize()
-        return _finish(cfg, plain_cfg, world, model, sync, step_log, records, Path(job_dir))
+        return _finish(plain_cfg, world, model, sync, step_log, records, Path(job_dir))
     finally:
         sync.close()
         close_world()
 
 
 def _finish(
-    cfg: Any, plain_cfg: dict[str, Any], world: World, model: torch.nn.Module, sync: Any,
+    plain_cfg: dict[str, Any], world: World, model: torch.nn.Module, sync: Any,
     step_log: StepLog, records: list[dict[str, Any]], job_dir: Path,
 ) -> Optional[dict[str, Any]]:  # fmt: skip
     """After the last step: one all-reduce of enter times (for t_wait), then rank 0 gathers the records."""

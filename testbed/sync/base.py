@@ -76,6 +76,9 @@ class Synchronizer(ABC):
         """Release buffers, threads and connections."""
 
 
+FIRST_BUCKET_BYTES = 2**20
+
+
 @dataclass
 class Bucket:
     """A contiguous slice of a flat gradient buffer, all-reduced as one collective."""
@@ -116,7 +119,9 @@ class FlatGradSynchronizer(Synchronizer):
                 self._views.append((p, view))
                 offset += p.numel()
                 members.append(p)
-                if cap_bytes is not None and (offset - start) * flat.element_size() >= cap_bytes:
+                # As in DDP, the first bucket is small (1 MB) so that communication starts early.
+                limit = cap_bytes if self.buckets or cap_bytes is None else min(cap_bytes, FIRST_BUCKET_BYTES)
+                if limit is not None and (offset - start) * flat.element_size() >= limit:
                     self.buckets.append(Bucket(flat[start:offset], members))
                     start, members = offset, []
             if members:
