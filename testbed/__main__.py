@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 from typing import Any, Optional
 
@@ -9,6 +11,7 @@ import hydra
 from omegaconf import DictConfig
 
 from testbed.config import ConfigError
+from testbed.launch.existing import surrounding_world
 from testbed.launch.job import run_job
 from testbed.paths import config_dir
 from testbed.preflight import check_command_line
@@ -27,6 +30,14 @@ def cli() -> None:
         print(f"config error: {exc}", file=sys.stderr)
         sys.exit(2)
     main()
+    if surrounding_world() is not None:
+        # A rank of a torchrun/Slurm world has written all its results. Interpreter finalization
+        # can still abort in Gloo's worker threads ("terminate called without an active
+        # exception", seen once in a dozen torchrun runs here), which would fail a finished run.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
