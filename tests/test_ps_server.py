@@ -141,6 +141,23 @@ def test_ssp_bounds_the_fastest_workers_lead(tmp_path: Path, mode: str) -> None:
         assert max(leads[0]) > 2 * bound  # async lets it run away
 
 
+def test_clocks_advance_and_shutdown_stops_the_shard(tmp_path: Path) -> None:
+    with servers(tmp_path, "ssp", workers=2) as ps:
+        worker = client(ps, 1)
+        worker.register(wait_s=20)
+        assert list(worker.clock(0).clocks) == [0, 0]
+        assert list(worker.clock(0, advance=True).clocks) == [0, 1]  # a skipped step counts
+        worker.shutdown()
+        assert ps.procs[0].wait(timeout=30) == 0
+        worker.close()
+    with servers(tmp_path, "sync", workers=1) as ps:
+        worker = client(ps, 0)
+        worker.register(wait_s=20)
+        with pytest.raises(PsError, match="FAILED_PRECONDITION: sync mode advances clocks only by pushing"):
+            worker.clock(0, advance=True)
+        worker.close()
+
+
 def test_errors_name_the_shard_and_the_status(tmp_path: Path) -> None:
     with servers(tmp_path, "sync", workers=1) as ps:
         address = ps.addresses[0]

@@ -89,10 +89,6 @@ class LocalServers:
                 proc.kill()
                 proc.wait()
 
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
-
 
 def wait_healthy(address: str, timeout_s: float, name: str) -> None:
     """Block until ``address`` reports SERVING on the standard gRPC health service."""

@@ -67,16 +67,10 @@ def byte_view(flat: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
-def chunks(
-    flat: torch.Tensor, shard: int, worker: int, step: int, chunk_bytes: int, view: memoryview | None = None
-) -> Iterator[pb.TensorChunk]:
-    """The stream of messages carrying ``flat``; ``bytes`` of each slice is the one copy protobuf needs."""
-    view = byte_view(flat) if view is None else view
-    esize = flat.element_size()
-    dtype = TO_WIRE[flat.dtype]
-    for offset, length in chunk_ranges(flat.numel(), esize, chunk_bytes):
-        data = bytes(view[offset * esize : (offset + length) * esize])
-        yield pb.TensorChunk(worker=worker, shard=shard, offset=offset, length=length, dtype=dtype, step=step, data=data)
+def chunks(flat: torch.Tensor, shard: int, worker: int, step: int, chunk_bytes: int) -> Iterator[pb.TensorChunk]:
+    """``encoded_chunks`` as protobuf objects, for the generated stubs (tests, the raw benchmark)."""
+    for message in encoded_chunks(flat, shard, worker, step, chunk_bytes, byte_view(flat)):
+        yield pb.TensorChunk.FromString(message)
 
 
 # --- the fast path: TensorChunk encoded and decoded by hand ------------------------------------

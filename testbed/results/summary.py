@@ -135,11 +135,6 @@ def write_summary(job_dir: Path, summary: dict[str, Any]) -> Path:
     return path
 
 
-def read_summary(job_dir: Path) -> Optional[dict[str, Any]]:
-    path = job_dir / "summary.json"
-    return json.loads(path.read_text()) if path.exists() else None
-
-
 def load_summaries(roots: list[Path]) -> list[dict[str, Any]]:
     """The summary of every job directory under ``roots`` (a root may itself be a job directory)."""
     summaries = []

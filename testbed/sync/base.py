@@ -106,7 +106,6 @@ class FlatGradSynchronizer(Synchronizer):
         cap_bytes = None if cap is None else float(cap) * 2**20
         self.buffers: list[torch.Tensor] = []
         self.buckets: list[Bucket] = []
-        self._views: list[tuple[nn.Parameter, torch.Tensor]] = []
         for dtype in sorted({p.dtype for p in params}, key=str):
             group = [p for p in reversed(params) if p.dtype == dtype]
             flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=world.device)
@@ -116,7 +115,6 @@ class FlatGradSynchronizer(Synchronizer):
                 if p.grad is not None:
                     view.copy_(p.grad)
                 p.grad = view
-                self._views.append((p, view))
                 offset += p.numel()
                 members.append(p)
                 # As in DDP, the first bucket is small (1 MB) so that communication starts early.
@@ -176,7 +174,6 @@ class FlatGradSynchronizer(Synchronizer):
                 self._launched.append(self._comm.submit(self._run_bucket, index))
             results = [future.result() for future in self._launched]
         else:
-            self._rebind_grads()
             results = [self._run_bucket(index) for index in range(len(self.buckets))]
         for flat in self.buffers:
             flat.div_(self.world.world_size)
@@ -197,16 +194,6 @@ class FlatGradSynchronizer(Synchronizer):
         # One memset per flat buffer; the grads stay views into it.
         for flat in self.buffers:
             flat.zero_()
-
-    def _rebind_grads(self) -> None:
-        # zero_grad(set_to_none=True) or user code may have replaced a grad; copy it back into place.
-        for p, view in self._views:
-            if p.grad is None:
-                view.zero_()
-                p.grad = view
-            elif p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad)
-                p.grad = view
 
     def describe(self) -> dict[str, Any]:
         return {
