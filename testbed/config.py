@@ -183,6 +183,70 @@ class AdamWConfig:
     weight_decay: float = 0.01
 
 
+# --- imbalance group (testbed.imbalance) -----------------------------------------------------
+# Every kind adds time to chosen ranks' steps (recorded as t_injected, apart from real compute),
+# except uneven, which changes how many samples each rank computes.
+
+JITTER_DISTRIBUTIONS = ("normal", "lognormal", "exponential")
+
+
+@dataclass
+class NoImbalanceConfig:
+    name: str = "none"
+
+
+@dataclass
+class StragglerConfig:
+    name: str = "straggler"
+    ranks: list[int] = field(default_factory=lambda: [0])  # the slow ranks
+    slowdown: float = 1.0  # extra time as a fraction of the rank's measured compute time (1.0 = +100 %)
+    delay_ms: float = 0.0  # and/or a fixed extra time per step
+
+
+@dataclass
+class JitterConfig:
+    name: str = "jitter"
+    distribution: str = "lognormal"  # normal | lognormal | exponential
+    mean_ms: float = 5.0  # of the extra time per rank and step
+    std_ms: Optional[float] = 5.0  # normal, lognormal; exponential has std = mean (leave null)
+    ranks: Optional[list[int]] = None  # null: every rank
+
+
+@dataclass
+class HeterogeneousConfig:
+    name: str = "heterogeneous"
+    # Relative speed per rank (rank r computes at speeds[r] of full speed: extra time is
+    # (1/speed - 1) of its compute); ranks beyond the list run at 1.0, entries beyond world_size
+    # are unused (one list serves a sweep over world sizes).
+    speeds: list[float] = field(default_factory=lambda: [1.0, 0.5])
+
+
+@dataclass
+class UnevenConfig:
+    name: str = "uneven"
+    # Shard sizes: rank r holds a share proportional to skew ** (r / (n - 1)), so the largest shard
+    # is skew times the smallest; or explicit relative shares (one per rank) when given.
+    skew: float = 2.0
+    shares: list[float] = field(default_factory=list)
+
+
+# --- network group (testbed.netem) -------------------------------------------------------------
+
+
+@dataclass
+class LoopbackNetworkConfig:
+    name: str = "loopback"
+
+
+@dataclass
+class EmulatedNetworkConfig:
+    name: str = "emulated"
+    bandwidth: str = "1gbit"  # per link and direction, in tc's units: bit, kbit, mbit, gbit
+    # Added per message by the testbed's own senders (ring, tree, parameter server), not by the
+    # backend's collectives: the kernel has no netem (testbed.netem.latency).
+    latency_ms: float = 0.0
+
+
 # --- launcher group ---------------------------------------------------------------------------
 
 
@@ -207,6 +271,8 @@ class Config:
     data: DataConfig = MISSING
     optim: Any = MISSING
     launcher: Any = MISSING
+    imbalance: Any = MISSING
+    network: Any = MISSING
     world_size: int = 1
     steps: int = 50
     warmup_steps: int = 5  # excluded from every summary statistic
@@ -233,6 +299,14 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "data": {"synthetic": DataConfig, "lm": DataConfig, "digits": DataConfig},
     "optim": {"sgd": SgdConfig, "adamw": AdamWConfig},
     "launcher": {"local": LocalLauncherConfig},
+    "imbalance": {
+        "none": NoImbalanceConfig,
+        "straggler": StragglerConfig,
+        "jitter": JitterConfig,
+        "heterogeneous": HeterogeneousConfig,
+        "uneven": UnevenConfig,
+    },
+    "network": {"loopback": LoopbackNetworkConfig, "emulated": EmulatedNetworkConfig},
 }
 
 
@@ -334,6 +408,9 @@ def validate(cfg: DictConfig, local_world_size: Optional[int] = None) -> None:
         _require(cfg.sync.sync_steps >= 0, f"sync.sync_steps={cfg.sync.sync_steps}: must be >= 0")
         _require(cfg.sync.over in ("allreduce", "ring"), f"sync.over={cfg.sync.over}: allowed: allreduce|ring")
 
+    _validate_imbalance(cfg)
+    _validate_network(cfg)
+
     device = enum_value(cfg.device)
     backend = enum_value(cfg.backend)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -374,6 +451,67 @@ def _validate_ps(cfg: DictConfig) -> None:
         resolved_device(cfg) == "cpu",
         "sync=ps exchanges host memory: use device=cpu (staging CUDA tensors through the host is not built yet)",
     )
+
+
+def _validate_imbalance(cfg: DictConfig) -> None:
+    imb, n = cfg.imbalance, int(cfg.world_size)
+    ranks = imb.get("ranks")
+    if ranks is not None:
+        bad = [r for r in ranks if not 0 <= r < n]
+        _require(not bad, f"imbalance.ranks={list(ranks)}: ranks {bad} do not exist with world_size={n}; use ranks in [0, {n})")
+    if imb.name == "straggler":
+        _require(imb.slowdown >= 0, f"imbalance.slowdown={imb.slowdown}: must be >= 0 (1.0 = +100 % of compute time)")
+        _require(imb.delay_ms >= 0, f"imbalance.delay_ms={imb.delay_ms}: must be >= 0")
+    if imb.name == "jitter":
+        dist = imb.distribution
+        _require(dist in JITTER_DISTRIBUTIONS, f"imbalance.distribution={dist}: allowed: {'|'.join(JITTER_DISTRIBUTIONS)}")
+        _require(imb.mean_ms > 0, f"imbalance.mean_ms={imb.mean_ms}: must be > 0")
+        if dist == "exponential":
+            _require(
+                imb.std_ms is None or imb.std_ms == imb.mean_ms,
+                f"imbalance.std_ms={imb.std_ms}: an exponential delay has std = mean; set imbalance.std_ms=null",
+            )
+        else:
+            _require(imb.std_ms is not None and imb.std_ms >= 0, f"imbalance.std_ms={imb.std_ms}: {dist} needs a std >= 0")
+    if imb.name == "heterogeneous":
+        speeds = list(imb.speeds)
+        _require(all(0 < s <= 1 for s in speeds), f"imbalance.speeds={speeds}: each speed must be in (0, 1] (1 = full speed)")
+    if imb.name == "uneven":
+        _require(imb.skew >= 1, f"imbalance.skew={imb.skew}: must be >= 1 (largest shard / smallest shard)")
+        shares = list(imb.shares)
+        _require(
+            not shares or (len(shares) == n and all(s > 0 for s in shares)),
+            f"imbalance.shares={shares}: give one positive share per rank (world_size={n}) or none",
+        )
+        total = per_rank_batch(cfg) * n
+        _require(
+            total >= n,
+            f"imbalance=uneven: a global batch of {total} cannot give each of {n} ranks a sample; raise data.batch_size",
+        )
+
+
+def _validate_network(cfg: DictConfig) -> None:
+    if cfg.network.name != "emulated":
+        return
+    from testbed.netem import NetworkUnavailable, check_available, parse_rate  # iproute2 only matters here
+
+    try:
+        parse_rate(cfg.network.bandwidth)
+    except ValueError as exc:
+        raise ConfigError(f"network.bandwidth={cfg.network.bandwidth}: {exc}") from None
+    _require(cfg.network.latency_ms >= 0, f"network.latency_ms={cfg.network.latency_ms}: must be >= 0")
+    _require(
+        resolved_backend(cfg) == "gloo",
+        "network=emulated shapes TCP links between hosts: use backend=gloo (device=cpu)",
+    )
+    _require(
+        not (cfg.sync.name == "ps" and cfg.sync.addresses),
+        "network=emulated starts its own parameter servers inside the network; drop sync.addresses",
+    )
+    try:
+        check_available()
+    except NetworkUnavailable as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _require(ok: bool, message: str) -> None:

@@ -1,8 +1,10 @@
 """Timing semantics, defined once: phase durations per step and the wait/transfer split of sync.
 
-Phases of one step, in order: ``data`` (fetch the batch, move it to the device), ``forward``,
-``backward``, ``sync`` (the synchronizer's call), ``optimizer`` (optimizer step and zeroing the
-gradients). ``t_step`` is their sum. On CPU the boundaries are ``time.perf_counter`` readings; on
+Phases of one step, in order: ``data`` (fetch the batch, move it to the device), ``injected``
+(time added by the ``imbalance`` config, never real work), ``forward``, ``backward``, ``sync`` (the
+synchronizer's call), ``optimizer`` (optimizer step and zeroing the gradients). ``t_step`` is
+their sum. A rank's *compute* time is every phase but sync, injected time included: the time it
+was busy, really or by emulation, before it could synchronize. On CPU the boundaries are ``time.perf_counter`` readings; on
 CUDA they are CUDA events recorded on the current stream (never host timers around asynchronous
 kernels), read once the step's last event has completed.
 
@@ -36,7 +38,7 @@ from typing import Any, Optional
 
 import torch
 
-PHASES = ("data", "forward", "backward", "sync", "optimizer")
+PHASES = ("data", "injected", "forward", "backward", "sync", "optimizer")
 
 
 @dataclass
@@ -61,7 +63,7 @@ class StepClock:
     def __init__(self, device: torch.device, clock_offset_s: float = 0.0, micro_steps: int = 1) -> None:
         self.cuda = device.type == "cuda"
         self.offset = clock_offset_s
-        self.max_marks = 4 * micro_steps + 1  # data, forward, backward, sync per micro-step; optimizer
+        self.max_marks = 4 * micro_steps + 2  # data, forward, backward, sync per micro-step; injected, optimizer
         if self.cuda:
             self._events = [torch.cuda.Event(enable_timing=True) for _ in range(self.max_marks + 1)]
         self._names: list[str] = []
@@ -131,9 +133,14 @@ def fill_wait_from_latest(records: list[dict[str, Any]], latest: list[float], wa
             rec["t_wait"] = min(max(last - rec["t_sync_enter"], 0.0), rec["t_sync"]) if waits_for_peers else 0.0
 
 
-def compute_time(record: dict[str, Any]) -> float:
-    """Time a rank spent on its own work in a step: everything but synchronization."""
+def real_compute_time(record: dict[str, Any]) -> float:
+    """Time a rank spent on its own real work in a step: everything but synchronization and injection."""
     return record["t_data"] + record["t_forward"] + record["t_backward"] + record["t_optimizer"]
+
+
+def compute_time(record: dict[str, Any]) -> float:
+    """Time a rank was busy before it could synchronize: real compute plus injected slowness."""
+    return real_compute_time(record) + record.get("t_injected", 0.0)
 
 
 def percentile(values: list[float], q: float) -> Optional[float]:

@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from testbed.data import RankBatches
+from testbed.imbalance import Injector
 from testbed.results.step_log import StepLog
 from testbed.sync import Synchronizer
-from testbed.timing import StepClock
+from testbed.timing import StepClock, real_compute_time
 from testbed.world import World
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,8 @@ class Trainer:
         bf16: bool = False,
         log_every: int = 0,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy,
+        injector: Injector | None = None,
+        loss_weight: float = 1.0,
     ) -> None:
         # The model is the synchronizer's (sync.module): a wrapper such as DDP may stand in front of it.
         self.optimizer, self.sync, self.batches = optimizer, sync, batches
@@ -48,6 +51,8 @@ class Trainer:
             torch.autocast(device_type=world.device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
         )
         self.log_every = log_every or max(1, steps // 10)
+        self.injector = injector
+        self.loss_weight = loss_weight  # != 1 only for uneven shards (testbed.imbalance)
 
     def run(self) -> list[dict[str, Any]]:
         device, world, sync = self.world.device, self.world, self.sync
@@ -55,6 +60,9 @@ class Trainer:
         clock = StepClock(device, world.clock_offset_s, micro_steps=k)
         non_blocking = device.type == "cuda"
         records: list[dict[str, Any]] = []
+        last_compute: float | None = None
+        # Each micro-batch's mean counts 1/k: the window's gradient is that of its whole batch.
+        scale = self.loss_weight / k
         began = time.perf_counter()
         sync.module.train()
         for step in range(self.steps):
@@ -66,12 +74,15 @@ class Trainer:
                 inputs = inputs.to(device, non_blocking=non_blocking)
                 targets = targets.to(device, non_blocking=non_blocking)
                 clock.mark("data")
+                if micro == 0:  # a slow rank is slow before its compute, so its gradients come late
+                    if self.injector is not None:
+                        self.injector.wait(last_compute)
+                    clock.mark("injected")
                 with sync.micro_step(boundary):
                     with self.autocast:
                         loss = self.loss_fn(sync.module(inputs), targets)
                     clock.mark("forward")
-                    # Each micro-batch's mean counts 1/k: the window's gradient is that of its whole batch.
-                    (loss / k if k > 1 else loss).backward()
+                    (loss * scale if scale != 1.0 else loss).backward()
                     clock.mark("backward")
                 report = sync.after_backward(step, is_boundary=boundary)
                 clock.mark("sync")
@@ -89,6 +100,7 @@ class Trainer:
                 "samples": samples,
                 "loss": (losses[0] if k == 1 else torch.stack(losses).mean()).item(),
                 "t_data": phases["data"],
+                "t_injected": phases["injected"],
                 "t_forward": phases["forward"],
                 "t_backward": phases["backward"],
                 "t_sync": phases["sync"],
@@ -102,6 +114,7 @@ class Trainer:
                 "t_sync_enter": times.sync_enter,
                 "t_sync_exit": times.sync_exit,
             }
+            last_compute = real_compute_time(record)
             if report.staleness is not None:
                 record["staleness"] = report.staleness
             self.step_log.write(record)

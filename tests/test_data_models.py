@@ -19,14 +19,14 @@ def data_cfg(**kw):
 def test_rank_batches_concatenate_to_the_single_process_batch(n: int) -> None:
     x = torch.arange(23).float().unsqueeze(1)
     y = torch.arange(23)
-    single = RankBatches(x, y, per_rank=5 * n, rank=0, world_size=1, seed=3)
-    shards = [RankBatches(x, y, per_rank=5, rank=r, world_size=n, seed=3) for r in range(n)]
+    single = RankBatches(x, y, [5 * n], rank=0, seed=3)
+    shards = [RankBatches(x, y, [5] * n, rank=r, seed=3) for r in range(n)]
     for step in range(12):  # several epochs: 23 samples, 5n per step
         assert torch.equal(torch.cat([s.indices(step) for s in shards]), single.indices(step))
 
 
 def test_every_epoch_is_a_permutation() -> None:
-    stream = RankBatches(torch.zeros(10, 1), torch.zeros(10), per_rank=5, rank=0, world_size=1, seed=0)
+    stream = RankBatches(torch.zeros(10, 1), torch.zeros(10), [5], rank=0, seed=0)
     first_epoch = torch.cat([stream.indices(0), stream.indices(1)])
     assert sorted(first_epoch.tolist()) == list(range(10))
     assert not torch.equal(first_epoch, torch.cat([stream.indices(2), stream.indices(3)]))
@@ -35,13 +35,13 @@ def test_every_epoch_is_a_permutation() -> None:
 @pytest.mark.parametrize("name", ["synthetic", "lm", "digits"])
 def test_datasets_are_deterministic(name: str) -> None:
     cfg = data_cfg(name=name)
-    (_, a), (_, b) = build_data(cfg, 4, 0, 1, seed=1), build_data(cfg, 4, 0, 1, seed=1)
+    (_, a), (_, b) = build_data(cfg, [4], 0, seed=1), build_data(cfg, [4], 0, seed=1)
     for step in range(3):
         assert all(torch.equal(u, v) for u, v in zip(a.batch(step), b.batch(step)))
 
 
 def test_digits_is_the_real_data_set() -> None:
-    spec, batches = build_data(data_cfg(name="digits"), 8, 0, 1, seed=0)
+    spec, batches = build_data(data_cfg(name="digits"), [8], 0, seed=0)
     assert batches.inputs.shape == (1797, 1, 8, 8) and spec.num_classes == 10
     assert 0.0 <= float(batches.inputs.min()) and float(batches.inputs.max()) <= 1.0
 
@@ -56,7 +56,7 @@ def test_digits_is_the_real_data_set() -> None:
     ],
 )
 def test_models_produce_logits_for_their_data(model: dict, data: dict) -> None:
-    spec, batches = build_data(data_cfg(**data), 4, 0, 1, seed=0)
+    spec, batches = build_data(data_cfg(**data), [4], 0, seed=0)
     net = build_model(OmegaConf.create(model), spec)
     x, y = batches.batch(0)
     out = net(x)
@@ -65,7 +65,7 @@ def test_models_produce_logits_for_their_data(model: dict, data: dict) -> None:
 
 
 def test_gradient_size_spans_the_sweep_range() -> None:
-    spec, _ = build_data(data_cfg(shape=[3, 16, 16], num_samples=1), 1, 0, 1, seed=0)
+    spec, _ = build_data(data_cfg(shape=[3, 16, 16], num_samples=1), [1], 0, seed=0)
     with torch.device("meta"):  # sizes only; nothing allocated
         small = build_model(OmegaConf.create({"name": "mlp", "hidden": 32, "depth": 1}), spec)
         large = build_model(OmegaConf.create({"name": "mlp", "hidden": 4096, "depth": 6}), spec)

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from testbed.timing import PHASES, StepClock, compute_time, fill_wait, percentile
+from testbed.timing import PHASES, StepClock, compute_time, fill_wait, percentile, real_compute_time
 
 
 def rec(step: int, enter: float, t_sync: float) -> dict:
@@ -61,7 +61,7 @@ def test_step_clock_adds_up_micro_steps_and_keeps_the_last_sync() -> None:
     clock = StepClock(torch.device("cpu"), micro_steps=2)
     clock.start()
     for micro in range(2):
-        for name in ("data", "forward", "backward"):
+        for name in ("data", "injected", "forward", "backward") if micro == 0 else ("data", "forward", "backward"):
             clock.mark(name)
         time.sleep(0.02 if micro else 0.0)
         clock.mark("sync")
@@ -69,14 +69,15 @@ def test_step_clock_adds_up_micro_steps_and_keeps_the_last_sync() -> None:
     times = clock.finish()
     assert times.phases["sync"] >= 0.02
     assert times.sync_exit - times.sync_enter >= 0.02  # the boundary's sync, not the no-op one
-    with pytest.raises(RuntimeError, match="more than 9"):
+    with pytest.raises(RuntimeError, match="more than 10"):
         for _ in range(10):
             clock.mark("data")
 
 
-def test_compute_excludes_sync_and_percentiles_interpolate() -> None:
-    r = {"t_data": 1.0, "t_forward": 2.0, "t_backward": 3.0, "t_sync": 100.0, "t_optimizer": 4.0}
-    assert compute_time(r) == 10.0
+def test_compute_excludes_sync_and_counts_injected_time_apart() -> None:
+    r = {"t_data": 1.0, "t_injected": 5.0, "t_forward": 2.0, "t_backward": 3.0, "t_sync": 100.0, "t_optimizer": 4.0}
+    assert real_compute_time(r) == 10.0
+    assert compute_time(r) == 15.0
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([], 50) is None
 

@@ -1,6 +1,7 @@
 """``python -m testbed.bench``: the all-reduce micro-benchmark (see testbed.bench.collectives).
 
 Example: python -m testbed.bench --world-sizes 2,4 --min-bytes 4K --max-bytes 256M --out bench.json
+Over emulated links (root): python -m testbed.bench --bandwidth 1gbit --sizes 16M
 """
 
 from __future__ import annotations
@@ -9,11 +10,13 @@ import argparse
 import json
 import sys
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 
 from testbed.bench.collectives import IMPLS, bench_rank
 from testbed.bench.table import format_results, parse_bytes, size_series
 from testbed.launch.spawn import RankFailure, spawn_world
+from testbed.netem import EmulatedNetwork, NetworkUnavailable, parse_rate
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--tree-chunk-kb", type=int, default=1024)
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    parser.add_argument("--bandwidth", default="", help="emulate links of this rate (e.g. 100mbit, 1gbit): one network namespace per rank")
+    parser.add_argument("--latency-ms", type=float, default=0.0, help="with --bandwidth: added per message by ring and tree")
     parser.add_argument("--out", default="", help="write the JSON records here")
     args = parser.parse_args(argv)
 
@@ -43,16 +48,27 @@ def main(argv: list[str] | None = None) -> int:
         if args.sizes
         else size_series(parse_bytes(args.min_bytes), parse_bytes(args.max_bytes), args.factor)
     )
+    if args.bandwidth:
+        try:
+            parse_rate(args.bandwidth)
+        except ValueError as exc:
+            parser.error(f"--bandwidth: {exc}")
+        if args.backend == "nccl":
+            parser.error("--bandwidth emulates TCP links: use --backend gloo")
     records: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="testbed-bench-") as logs:
         for n in world_sizes:
+            bench_args = (sizes, impls, args.iters, args.warmup, args.tree_chunk_kb, args.backend)
+            network = EmulatedNetwork([f"r{r}" for r in range(n)], args.bandwidth, args.latency_ms) if args.bandwidth else None
             try:
-                result = spawn_world(
-                    bench_rank, (sizes, impls, args.iters, args.warmup, args.tree_chunk_kb, args.backend), n, Path(logs)
-                )
-            except RankFailure as failure:
+                with network or nullcontext():
+                    env = network.rank_env(n) if network else {}
+                    result = spawn_world(bench_rank, bench_args, n, Path(logs), env=env)
+            except (RankFailure, NetworkUnavailable) as failure:
                 print(f"benchmark failed at world_size={n}: {failure}", file=sys.stderr)
                 return 1
+            for rec in result[0]:
+                rec["link"] = args.bandwidth or "loopback"
             records += result[0]
             if args.out:  # written after each world size, so a later failure keeps what was measured
                 Path(args.out).write_text(json.dumps(records, indent=1) + "\n")

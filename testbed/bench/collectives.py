@@ -20,6 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from testbed.collectives import ring_allreduce_, tree_allreduce_
 from testbed.collectives.tree import SCRATCH_CHUNKS
+from testbed.netem import enter_rank_namespace
 from testbed.timing import synchronize
 
 IMPLS = ("native", "ring", "tree")
@@ -66,6 +67,7 @@ def bench_rank(
     sizes: list[int], impls: list[str], iters: int, warmup: int, tree_chunk_kb: int, backend: str
 ) -> list[dict]:
     """Run in every rank; rank 0 returns the records."""
+    enter_rank_namespace()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend)

@@ -54,7 +54,7 @@ def measure(overrides: list[str], steps: int, repeats: int) -> dict:
     world = World(0, 0, 1, 1, device, config.resolved_backend(cfg), cfg.timeouts.collective_s)
     bf16 = config.enum_value(cfg.precision) == "bf16"
     torch.manual_seed(cfg.seed)
-    spec, batches = build_data(cfg.data, config.per_rank_batch(cfg), 0, 1, cfg.seed)
+    spec, batches = build_data(cfg.data, [config.per_rank_batch(cfg)], 0, cfg.seed)
     batches.to(device)
     batch_samples = config.per_rank_batch(cfg)
 

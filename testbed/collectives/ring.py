@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from testbed.collectives.common import Traffic, chunk_bounds, scratch_for
+from testbed.netem.latency import link_delay
 
 
 def ring_allreduce_(
@@ -56,12 +57,15 @@ def _exchange(
     esize: int,
 ) -> None:
     # Chunk sizes are known to both ends, so empty chunks (numel < n) are skipped on both sides.
+    # The receive is posted first: Gloo holds a send until the peer's receive is posted, and with
+    # both ends sending first (n = 2) the two directions of the link took turns, halving busbw.
     works = []
-    if send.numel():
-        works.append(dist.isend(send, dst, group))
-        traffic.sent += send.numel() * esize
     if recv.numel():
         works.append(dist.irecv(recv, src, group))
         traffic.recv += recv.numel() * esize
+    if send.numel():
+        link_delay()
+        works.append(dist.isend(send, dst, group))
+        traffic.sent += send.numel() * esize
     for work in works:
         work.wait()

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from testbed.collectives.common import Traffic, chunk_bounds, scratch_for
+from testbed.netem.latency import link_delay
 
 
 def btree(n: int, rank: int) -> tuple[int, list[int]]:
@@ -125,6 +126,7 @@ def tree_allreduce_(
             work.wait()
             target.add_(slot)
         if lanes[li].parent >= 0:
+            link_delay()
             pending.append(dist.isend(target, lanes[li].parent, group, tag=lanes[li].tag))
             traffic.sent += target.numel() * esize
         posted = following
@@ -143,6 +145,7 @@ def tree_allreduce_(
         if (li, c) in arriving:
             arriving[li, c].wait()
         for child in lanes[li].children:
+            link_delay()
             pending.append(dist.isend(part(li, c), child, group, tag=lanes[li].tag + 1))
             traffic.sent += part(li, c).numel() * esize
     for work in pending:

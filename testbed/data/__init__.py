@@ -19,15 +19,15 @@ class RankBatches:
     """This rank's batch of every step.
 
     The sample order is a concatenation of per-epoch permutations drawn from ``seed``; global batch
-    ``t`` is positions ``[t*G, (t+1)*G)`` of that order and rank ``r`` takes its ``r``-th slice of
-    size ``B = G / world_size``. Batches may straddle epochs, so every step has a full batch.
+    ``t`` is positions ``[t*G, (t+1)*G)`` of that order, ``G = sum(sizes)``, and rank ``r`` takes
+    the ``sizes[r]`` positions after those of ranks ``0..r-1`` (equal sizes unless the shards are
+    uneven). Batches may straddle epochs, so every step has a full batch.
     """
 
-    def __init__(
-        self, inputs: torch.Tensor, targets: torch.Tensor, per_rank: int, rank: int, world_size: int, seed: int
-    ) -> None:
+    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor, sizes: list[int], rank: int, seed: int) -> None:
         self.inputs, self.targets = inputs, targets
-        self.per_rank, self.rank, self.world_size, self.seed = per_rank, rank, world_size, seed
+        self.per_rank, self.rank, self.seed = sizes[rank], rank, seed
+        self.global_batch, self.offset = sum(sizes), sum(sizes[:rank])
         self._orders: dict[int, torch.Tensor] = {}
 
     def _order(self, epoch: int) -> torch.Tensor:
@@ -40,7 +40,7 @@ class RankBatches:
 
     def indices(self, step: int) -> torch.Tensor:
         n = len(self.inputs)
-        pos = step * self.per_rank * self.world_size + self.rank * self.per_rank
+        pos = step * self.global_batch + self.offset
         end = pos + self.per_rank
         parts = []
         while pos < end:
@@ -61,9 +61,10 @@ class RankBatches:
 
 
 
-def build_data(cfg: Any, per_rank: int, rank: int, world_size: int, seed: int) -> tuple[DataSpec, RankBatches]:
+def build_data(cfg: Any, sizes: list[int], rank: int, seed: int) -> tuple[DataSpec, RankBatches]:
+    """The data set and this rank's batches; ``sizes`` holds every rank's samples per step."""
     inputs, targets, spec = load_dataset(cfg, seed)
-    return spec, RankBatches(inputs, targets, per_rank, rank, world_size, seed)
+    return spec, RankBatches(inputs, targets, sizes, rank, seed)
 
 
 __all__ = ["DataSpec", "RankBatches", "build_data"]

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
-from contextlib import nullcontext
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Optional
 
@@ -17,6 +16,7 @@ from testbed import config
 from testbed.launch.existing import surrounding_world
 from testbed.launch.rank import rank_main
 from testbed.launch.spawn import RankFailure, spawn_world
+from testbed.netem import EmulatedNetwork
 from testbed.ps.launch import LocalServers
 from testbed.ps.wire import TOKEN_ENV
 from testbed.results.summary import failed_summary, summarize, write_summary
@@ -55,21 +55,31 @@ def run_job(cfg: DictConfig) -> Optional[dict[str, Any]]:
 
 
 def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path) -> dict[str, Any]:
-    """Start the parameter servers when the run needs them, then the ranks; stop all, whatever happens."""
+    """Build the emulated network and start the parameter servers when the run needs them, then the
+    ranks; take all of it down again, whatever happens."""
     log.info("spawning %d rank(s): sync=%s model=%s data=%s -> %s", cfg.world_size, cfg.sync.name,
              cfg.model.name, cfg.data.name, job_dir)  # fmt: skip
-    needs_servers = cfg.sync.name == "ps" and not cfg.sync.addresses
-    servers = LocalServers(plain["sync"], plain["optim"], cfg.world_size, job_dir / "logs") if needs_servers else None
+    servers = cfg.sync.servers if cfg.sync.name == "ps" and not cfg.sync.addresses else 0
+    env: dict[str, str] = {}
     try:
-        with servers or nullcontext():
-            if servers is not None:
-                plain["sync"]["addresses"] = servers.addresses
-                os.environ[TOKEN_ENV] = servers.token  # inherited by the ranks; kept out of the config
-                log.info("parameter servers up: %s", ", ".join(servers.addresses))
+        with ExitStack() as stack:  # exits in reverse: servers stop before their network goes
+            network = None
+            if cfg.network.name == "emulated":
+                endpoints = [f"r{r}" for r in range(cfg.world_size)] + [f"s{k}" for k in range(servers)]
+                network = stack.enter_context(EmulatedNetwork(endpoints, cfg.network.bandwidth, cfg.network.latency_ms))
+                env.update(network.rank_env(cfg.world_size))
+                log.info("emulated network: %s links, namespaces %s-*", cfg.network.bandwidth, network.prefix)
+            if servers:
+                hosts = [(network.endpoints[f"s{k}"].namespace, network.endpoints[f"s{k}"].address)
+                         for k in range(servers)] if network else None  # fmt: skip
+                ps = stack.enter_context(LocalServers(plain["sync"], plain["optim"], cfg.world_size, job_dir / "logs", hosts))
+                plain["sync"]["addresses"] = ps.addresses
+                env[TOKEN_ENV] = ps.token  # inherited by the ranks; kept out of the config
+                log.info("parameter servers up: %s", ", ".join(ps.addresses))
             results = spawn_world(
                 rank_main, (plain, str(job_dir)), cfg.world_size, job_dir / "logs",
                 rendezvous_timeout_s=cfg.timeouts.rendezvous_s, echo_rank0=cfg.launcher.echo_rank0,
-                monitor_interval_s=cfg.launcher.monitor_interval_s,
+                monitor_interval_s=cfg.launcher.monitor_interval_s, env=env,
             )  # fmt: skip
             return results[0]
     except RankFailure as failure:

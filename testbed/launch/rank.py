@@ -22,7 +22,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from testbed import config
 from testbed.data import build_data
+from testbed.imbalance import Injector, loss_weight, shard_batches
 from testbed.models import build_model, gradient_bytes
+from testbed.netem import enter_rank_namespace
 from testbed.optim import build_optimizer
 from testbed.results.step_log import StepLog, metrics_path
 from testbed.results.summary import summarize, write_summary
@@ -41,6 +43,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str) -> Optional[dict[str, Any
     # The launcher stops surviving ranks with SIGTERM when one fails; exiting through Python runs
     # the finally blocks, which flush this rank's metrics.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    enter_rank_namespace()  # network=emulated: before any socket exists
     if cfg.sync.name == "allreduce" and cfg.sync.get("nccl_algo"):
         os.environ["NCCL_ALGO"] = str(cfg.sync.nccl_algo)  # read by NCCL when the communicator is created
     world = init_world(config.resolved_device(cfg), config.resolved_backend(cfg), cfg.timeouts.collective_s)
@@ -51,7 +54,8 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str) -> Optional[dict[str, Any
         threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // world.local_world_size)
         torch.set_num_threads(threads)
         torch.manual_seed(cfg.seed)  # identical initial replicas on every rank
-        spec, batches = build_data(cfg.data, config.per_rank_batch(cfg), world.rank, world.world_size, cfg.seed)
+        sizes = shard_batches(cfg)
+        spec, batches = build_data(cfg.data, sizes, world.rank, cfg.seed)
         batches.to(world.device)
         model = build_model(cfg.model, spec).to(world.device)
         optimizer = build_optimizer(cfg.optim, model.parameters())
@@ -60,6 +64,8 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str) -> Optional[dict[str, Any
         trainer = Trainer(
             optimizer, sync, batches, world, step_log, cfg.steps,
             bf16=cfg.precision == "bf16", log_every=cfg.log_every,
+            injector=Injector(cfg.imbalance, world.rank, world.world_size, cfg.seed),
+            loss_weight=loss_weight(sizes, world.rank),
         )  # fmt: skip
         try:
             records = trainer.run()

@@ -40,8 +40,11 @@ def spawn_world(
     rendezvous_timeout_s: float = 120.0,
     echo_rank0: bool = False,
     monitor_interval_s: float = 0.1,
+    env: dict[str, str] | None = None,
 ) -> dict[int, Any]:
     """Run ``entry(*args)`` in ``nproc`` fresh processes; return ``{rank: return value}``.
+
+    ``env`` is added to the ranks' environment (and only theirs: it is restored afterwards).
 
     Rank stdout/stderr go to ``log_dir/<run id>/attempt_0/<rank>/``; rank 0 is echoed to the console
     when ``echo_rank0``. Raises ``RankFailure`` naming the first failed rank.
@@ -63,7 +66,7 @@ def spawn_world(
         ),
     )
     try:
-        with _launch_environment(log_dir):
+        with _launch_environment(log_dir, env or {}):
             return elastic_launch(config, entry)(*args)
     except ChildFailedError as exc:
         # The earliest failure is the cause; the others are usually peers losing their connection.
@@ -76,20 +79,25 @@ def spawn_world(
 
 
 @contextmanager
-def _launch_environment(log_dir: Path) -> Iterator[None]:
+def _launch_environment(log_dir: Path, env: dict[str, str]) -> Iterator[None]:
     """Temporary files of the launch (torch's per-rank error files) go to, and go with, ``log_dir/tmp``;
-    ranks start with one OpenMP thread until they size their own pools (threads_per_rank)."""
+    ranks start with one OpenMP thread until they size their own pools (threads_per_rank), and
+    inherit ``env``."""
     tmp = log_dir / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
-    saved_tempdir, saved_omp = tempfile.tempdir, os.environ.get("OMP_NUM_THREADS")
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **env}
+    saved_tempdir, saved_env = tempfile.tempdir, {key: os.environ.get(key) for key in env}
     tempfile.tempdir = str(tmp)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.update(env)
     try:
         yield
     finally:
         tempfile.tempdir = saved_tempdir
-        if saved_omp is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         shutil.rmtree(tmp, ignore_errors=True)
 
 

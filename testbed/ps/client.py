@@ -13,6 +13,7 @@ from typing import Any, Callable, TypeVar
 import grpc
 import torch
 
+from testbed.netem.latency import link_delay
 from testbed.ps import parameter_server_pb2 as pb
 from testbed.ps import parameter_server_pb2_grpc as pb_grpc
 from testbed.ps.wire import (
@@ -92,6 +93,7 @@ class PsClient:
 
     def push(self, grads: list[torch.Tensor], base_versions: list[int]) -> list[pb.PushReply]:
         def send(i: int) -> pb.PushReply:
+            link_delay()  # one emulated latency per request (testbed.netem.latency)
             stream = encoded_chunks(grads[i], i, self.worker, base_versions[i], self.chunk_bytes, self._view(grads[i]))
             return self._call(i, "Push", lambda: self._push[i](stream, timeout=self.timeout_s, metadata=self.metadata))
 
@@ -100,6 +102,7 @@ class PsClient:
     def pull(self, params: list[torch.Tensor], clock: int) -> PullResult:
         def receive(i: int) -> tuple[int, float, int]:
             def run() -> tuple[int, float, int]:
+                link_delay()
                 call = self._pull[i](pb.PullRequest(worker=self.worker, shard=i, clock=clock),
                                      timeout=self.timeout_s, metadata=self.metadata)  # fmt: skip
                 version, received = -1, 0

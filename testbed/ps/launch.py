@@ -2,7 +2,9 @@
 
 Each shard is a fresh ``python -m testbed.ps.server`` process (not a fork: gRPC and fork do not
 mix), bound to loopback unless ``sync.host`` says otherwise, on a port it picks itself. The run
-is healthy when every shard answers the standard gRPC health check with SERVING.
+is healthy when every shard answers the standard gRPC health check with SERVING. On an emulated
+network each shard runs in its own namespace (``ip netns exec``) on its emulated address; the
+launcher cannot reach it there, so the port file, written once the server is serving, is the sign.
 """
 
 from __future__ import annotations
@@ -29,8 +31,13 @@ class ServerStartError(RuntimeError):
 class LocalServers:
     """k shard processes; use as a context manager so they are stopped also when the run fails."""
 
-    def __init__(self, sync_cfg: dict[str, Any], optim_cfg: dict[str, Any], workers: int, log_dir: Path) -> None:
+    def __init__(
+        self, sync_cfg: dict[str, Any], optim_cfg: dict[str, Any], workers: int, log_dir: Path,
+        hosts: list[tuple[str, str]] | None = None,
+    ) -> None:  # fmt: skip
+        """``hosts``: (network namespace, address) per shard on an emulated network."""
         self.sync_cfg, self.optim_cfg, self.workers, self.log_dir = sync_cfg, optim_cfg, workers, log_dir
+        self.hosts = hosts
         self.token = secrets.token_hex(16)
         self.procs: list[subprocess.Popen] = []
         self.addresses: list[str] = []
@@ -49,14 +56,18 @@ class LocalServers:
     def start(self, timeout_s: float = 60.0) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, TOKEN_ENV: self.token, "OMP_NUM_THREADS": "1"}
-        host = self.sync_cfg["host"]
-        port_files = []
+        port_files, hosts = [], []
         for shard in range(self.sync_cfg["servers"]):
+            prefix, host = [], self.sync_cfg["host"]
+            if self.hosts is not None:
+                namespace, host = self.hosts[shard]
+                prefix = ["ip", "netns", "exec", namespace]
+            hosts.append(host)
             port_file = self.log_dir / f"ps{shard}.port"
             port_file.unlink(missing_ok=True)
             port_files.append(port_file)
             cmd = [
-                sys.executable, "-m", "testbed.ps.server", "--shard", str(shard), "--workers", str(self.workers),
+                *prefix, sys.executable, "-m", "testbed.ps.server", "--shard", str(shard), "--workers", str(self.workers),
                 "--mode", self.sync_cfg["mode"], "--staleness", str(self.sync_cfg["staleness"]),
                 "--optim", json.dumps(self.optim_cfg), "--host", host, "--port", "0",
                 "--port-file", str(port_file), "--chunk-kb", str(self.sync_cfg["chunk_kb"]),
@@ -72,7 +83,10 @@ class LocalServers:
                 if time.monotonic() > deadline:
                     raise ServerStartError(f"ps shard {shard} did not start within {timeout_s:.0f}s; see {self.log_dir}/ps{shard}.log")
                 time.sleep(0.05)
+            host = hosts[shard]
             self.addresses.append(f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port_file.read_text()}")
+        if self.hosts is not None:
+            return
         for shard, address in enumerate(self.addresses):
             wait_healthy(address, max(1.0, deadline - time.monotonic()), f"ps shard {shard}")
 

@@ -46,6 +46,34 @@ def _spread(values: list[float]) -> dict[str, Optional[float]]:
     return {"median": percentile(values, 50), "p10": percentile(values, 10), "p90": percentile(values, 90)}
 
 
+def _imbalance(rows: list[list[dict[str, Any]]], ranks: int) -> dict[str, Any]:
+    """Who was slow and what it cost: compute includes injected time (testbed.timing)."""
+    compute = [[compute_time(r) for r in row] for row in rows]
+    ratios = [max(c) / (sum(c) / len(c)) - 1.0 for c in compute if sum(c) > 0]
+    waits = [r["t_wait"] or 0.0 for row in rows for r in row]
+    total = sum(r["t_step"] for row in rows for r in row)
+    slowest = Counter(max(range(len(c)), key=c.__getitem__) for c in compute)
+    per_rank = [
+        {
+            "rank": rank,
+            "compute": percentile([c[rank] for c in compute], 50),
+            "injected": percentile([row[rank].get("t_injected", 0.0) for row in rows], 50),
+            "wait": percentile([row[rank]["t_wait"] or 0.0 for row in rows], 50),
+            "sync": percentile([row[rank]["t_sync"] for row in rows], 50),
+        }
+        for rank in range(ranks if rows else 0)
+    ]
+    return {
+        "imbalance": percentile(ratios, 50),  # median over steps of max/mean - 1 of compute time
+        "imbalance_p10": percentile(ratios, 10),
+        "imbalance_p90": percentile(ratios, 90),
+        "idle_fraction": (sum(waits) / total) if total else None,  # share of rank-time spent waiting for peers
+        "per_rank": per_rank,
+        # The ranks that were the slowest most often, with the share of steps they were.
+        "slowest_ranks": [{"rank": r, "share": c / len(compute)} for r, c in slowest.most_common(3)],
+    }
+
+
 def summarize(
     cfg: dict[str, Any],
     records_by_rank: list[list[dict[str, Any]]],
@@ -85,11 +113,7 @@ def summarize(
         extra for extra in ("wait", "comm") if rows and all(r.get(f"t_{extra}") is not None for row in rows for r in row)
     ]
     summary["phases"] = {f"t_{p}": _spread([r[f"t_{p}"] for row in rows for r in row]) for p in names}
-    compute = [[compute_time(r) for r in row] for row in rows]
-    summary["imbalance"] = percentile([max(c) / (sum(c) / len(c)) - 1.0 for c in compute if sum(c) > 0], 50)
-    waits = [r["t_wait"] or 0.0 for row in rows for r in row]
-    total = sum(r["t_step"] for row in rows for r in row)
-    summary["idle_fraction"] = (sum(waits) / total) if total else None
+    summary.update(_imbalance(rows, len(records_by_rank)))
     sent = [sum(r["bytes_sent"] for r in row) for row in rows]
     summary["bytes_per_step"] = (statistics.median(sent) / world_size) if sent else None  # per rank
     summary["bytes_per_step_total"] = statistics.median(sent) if sent else None

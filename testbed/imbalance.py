@@ -1,0 +1,105 @@
+"""Load imbalance as a controlled variable: slow ranks, jitter, mixed speeds, uneven shards.
+
+Time-based kinds (straggler, jitter, heterogeneous) make a rank wait before the forward pass of
+each step, so its gradients are late exactly as a slow rank's would be, also with overlap. The wait
+is recorded as ``t_injected``, apart from the real compute phases. Factors of compute time use the
+rank's measured compute (data, forward, backward, optimizer) of its previous step; the first step
+has none and gets no factor-based delay (it is warm-up). Draws come from a generator seeded by
+``(seed, rank)`` and are made every step whether or not the rank is affected, so the same seed
+gives the same delays. On CUDA the wait is on the host: it delays the launch of the step's work.
+
+``uneven`` changes no timing: each rank's batch is proportional to its shard, every rank runs the
+same number of steps (a rank that ran out of data would leave its peers' collectives hanging), and
+each rank's loss is weighted by ``n * b_r / B`` so the mean of the ranks' gradients is the gradient
+of the global batch ``B`` (what single-process training computes).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from typing import Any
+
+from testbed import config
+
+
+class Injector:
+    """Extra time per step for one rank."""
+
+    def __init__(self, cfg: Any, rank: int, world_size: int, seed: int) -> None:
+        self.cfg, self.rank = cfg, rank
+        self.rng = random.Random(seed * 1_000_003 + rank * 7919 + 17)
+        ranks = cfg.get("ranks")
+        self.affected = ranks is None or rank in list(ranks)
+        self.factor = 0.0  # extra time per unit of measured compute
+        self.fixed_s = 0.0
+        if cfg.name == "straggler" and self.affected:
+            self.factor, self.fixed_s = float(cfg.slowdown), float(cfg.delay_ms) / 1e3
+        if cfg.name == "heterogeneous":
+            speeds = list(cfg.speeds)
+            self.factor = 1.0 / speeds[rank] - 1.0 if rank < len(speeds) else 0.0
+
+    @property
+    def active(self) -> bool:
+        return self.cfg.name in ("straggler", "jitter", "heterogeneous")
+
+    def draw_s(self) -> float:
+        """The jitter of one step (0 for other kinds); advances the generator either way."""
+        if self.cfg.name != "jitter":
+            return 0.0
+        cfg = self.cfg
+        mean = float(cfg.mean_ms) / 1e3
+        if cfg.distribution == "exponential":
+            value = self.rng.expovariate(1.0 / mean)
+        elif cfg.distribution == "normal":
+            value = max(0.0, self.rng.gauss(mean, float(cfg.std_ms) / 1e3))
+        else:  # lognormal with the configured mean and std of the delay itself
+            std = float(cfg.std_ms) / 1e3
+            sigma2 = math.log1p((std / mean) ** 2)
+            value = self.rng.lognormvariate(math.log(mean) - sigma2 / 2, math.sqrt(sigma2))
+        return value if self.affected else 0.0
+
+    def delay_s(self, last_compute_s: float | None) -> float:
+        jitter = self.draw_s()
+        scaled = self.factor * last_compute_s if last_compute_s is not None else 0.0
+        return self.fixed_s + scaled + jitter
+
+    def wait(self, last_compute_s: float | None) -> float:
+        """Sleep this step's extra time; returns it (seconds)."""
+        delay = self.delay_s(last_compute_s)
+        if delay > 0:
+            time.sleep(delay)
+        return delay
+
+
+def shard_batches(cfg: Any) -> list[int]:
+    """Samples per rank and step: equal, or proportional to the shards under ``imbalance=uneven``.
+
+    The total is always the global batch of a run without imbalance, so runs compare at equal work.
+    """
+    n = int(cfg.world_size)
+    per_rank = config.per_rank_batch(cfg)
+    imb = cfg.imbalance
+    if imb.name != "uneven" or n == 1:
+        return [per_rank] * n
+    shares = list(imb.shares) or [float(imb.skew) ** (r / (n - 1)) for r in range(n)]
+    total = per_rank * n
+    # Largest-remainder rounding, with at least one sample each, keeps the total exact.
+    exact = [total * s / sum(shares) for s in shares]
+    sizes = [max(1, int(x)) for x in exact]
+    order = sorted(range(n), key=lambda r: exact[r] - int(exact[r]), reverse=True)
+    i = 0
+    while sum(sizes) != total:
+        r = order[i % n]
+        if sum(sizes) < total:
+            sizes[r] += 1
+        elif sizes[r] > 1:
+            sizes[r] -= 1
+        i += 1
+    return sizes
+
+
+def loss_weight(sizes: list[int], rank: int) -> float:
+    """Factor on rank ``rank``'s mean loss so that the ranks' mean gradient is the global batch's."""
+    return len(sizes) * sizes[rank] / sum(sizes)

@@ -1,0 +1,51 @@
+"""What a process spawned into an emulated network does first: enter its namespace, find its peers.
+
+The launcher passes the plan through the environment (``TESTBED_NETNS``: JSON with each rank's
+namespace and address). Entering uses setns(2) on ``/run/netns/<name>``; threads and sockets
+created afterwards live in that namespace. The process group's store then runs on rank 0's
+emulated address instead of the launcher's loopback store, which the namespace cannot reach.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+from typing import Any
+
+from testbed.netem.latency import set_latency_ms
+
+NETNS_ENV = "TESTBED_NETNS"
+STORE_PORT = 29500  # each run has its own network stack, so a fixed port cannot collide
+CLONE_NEWNET = 0x40000000
+
+
+def enter_namespace(name: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into network namespace {name}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def rank_plan() -> dict[str, Any] | None:
+    spec = os.environ.get(NETNS_ENV)
+    return json.loads(spec) if spec else None
+
+
+def enter_rank_namespace() -> None:
+    """Move this rank into its emulated host, if the launcher made a network; call before any socket."""
+    plan = rank_plan()
+    if plan is None:
+        return
+    rank = int(os.environ["RANK"])
+    enter_namespace(plan["ranks"][rank]["namespace"])
+    set_latency_ms(float(plan["latency_ms"]))
+    os.environ.update(
+        MASTER_ADDR=plan["ranks"][0]["address"], MASTER_PORT=str(STORE_PORT), GLOO_SOCKET_IFNAME=plan["interface"]
+    )
+    # Otherwise torch's env:// rendezvous connects to the launcher's store on the root namespace's loopback.
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
