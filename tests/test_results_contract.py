@@ -10,11 +10,12 @@ import torch
 from conftest import load_params, read_json, read_jsonl, run_cli
 
 from testbed.results.step_log import STEP_FIELDS
+from testbed.timing import PHASES
 
 STEPS = 8
 SUMMARY_FIELDS = (
     "status", "error", "sync", "world_size", "steps", "global_batch", "throughput", "step_time", "phases",
-    "imbalance", "idle_fraction", "bytes_per_step", "final_loss", "peak_rss_bytes", "cuda_peak_bytes",
+    "imbalance", "imbalance_p10", "imbalance_p90", "idle_fraction", "per_rank", "slowest_ranks", "bytes_per_step", "final_loss", "peak_rss_bytes", "cuda_peak_bytes",
     "versions", "config_hash", "replicas_identical",
 )  # fmt: skip
 
@@ -53,7 +54,7 @@ def test_four_jobs_each_with_a_complete_contract(sweep: tuple[Path, str]) -> Non
             for r in records:
                 assert list(r) == list(STEP_FIELDS)
                 assert r["rank"] == rank and r["samples"] == 32 and r["t_wait"] is not None
-                assert r["t_step"] == pytest.approx(sum(r[f"t_{p}"] for p in ("data", "forward", "backward", "sync", "optimizer")))
+                assert r["t_step"] == pytest.approx(sum(r[f"t_{p}"] for p in PHASES))
                 assert 0.0 <= r["t_wait"] <= r["t_sync"]
         params = load_params(job)
         assert params and all(t.device.type == "cpu" for t in params.values())
