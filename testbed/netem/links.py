@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 from dataclasses import dataclass
 from typing import Any
@@ -74,11 +75,21 @@ def _alive(pid: int) -> bool:
 
 
 def remove_leftovers(everything: bool = False) -> list[str]:
-    """Delete the testbed's namespaces whose launcher is gone (all of them with ``everything``)."""
+    """Delete the testbed's namespaces whose launcher is gone (all of them with ``everything``).
+
+    Ranks and servers orphaned inside them are killed first: a namespace lives on while any
+    process is in it, and those processes would otherwise hold ports and cores forever.
+    """
     removed = []
     for name in namespaces():
         match = _NAME.match(name)
         if match and (everything or not _alive(int(match.group(1)))):
+            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
             removed.append(name)
     return removed

@@ -1,0 +1,131 @@
+"""Emulated networks: links run at the configured rate, the parameter server is bound by its own
+link, results do not depend on the network, and no namespace outlives its run, however it ends."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import cli_env, load_params, read_json, run_cli
+
+from testbed.netem import parse_rate
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+    reason="emulated networks need root and iproute2",
+)
+
+
+def testbed_namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if re.match(r"^tb\d+n\d+-", line)}
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers() -> None:
+    before = testbed_namespaces()
+    yield
+    assert testbed_namespaces() == before
+
+
+@pytest.mark.parametrize("rate,size", [("100mbit", "2M"), ("1gbit", "16M")])
+def test_ring_busbw_is_the_link_rate(tmp_path: Path, rate: str, size: str) -> None:
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "testbed.bench", "--world-sizes", "2", "--sizes", size, "--impls", "ring,native",
+         "--iters", "4", "--bandwidth", rate, "--out", str(out)],
+        capture_output=True, text=True, env=cli_env(), timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = {r["impl"]: r for r in json.loads(out.read_text())}
+    line_rate = parse_rate(rate) / 8  # bytes/s
+    assert all(r["correct"] and r["link"] == rate for r in records.values())
+    assert 0.9 * line_rate <= records["ring"]["busbw"] <= 1.02 * line_rate
+
+
+def test_ps_is_bound_by_the_server_link(tmp_path: Path) -> None:
+    job = tmp_path / "ps"
+    proc = run_cli(["sync=ps", "world_size=2", "network=emulated", "network.bandwidth=100mbit", "steps=8",
+                    "warmup_steps=2", f"hydra.run.dir={job}"], cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_json(job / "summary.json")
+    # BSP: all n pushes cross the server's link, then all n pulls; a worker's own link carries one of each.
+    model = summary["gradient_bytes"]
+    server_bound = 2 * 2 * model / (parse_rate("100mbit") / 8)
+    assert summary["phases"]["t_sync"]["median"] >= 0.9 * server_bound
+    assert summary["sync_facts"]["addresses"][0].startswith("10.78.0.")
+
+
+def test_results_do_not_depend_on_the_network(tmp_path: Path) -> None:
+    # Overlapped buckets, accumulation and a straggler, over loopback and over shaped links with latency.
+    args = ["sync=allreduce", "sync.overlap=true", "sync.bucket_mb=0.1", "sync.accumulate=2", "world_size=2",
+            "imbalance=straggler", "imbalance.ranks=[1]", "imbalance.delay_ms=5", "steps=6", "warmup_steps=1"]  # fmt: skip
+    emulated = ["network=emulated", "network.bandwidth=200mbit", "network.latency_ms=1"]
+    for name, extra in (("loopback", []), ("emulated", emulated)):
+        proc = run_cli([*args, *extra, f"hydra.run.dir={tmp_path / name}"], cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    ring = ["sync=ring", "world_size=2", "steps=4", "warmup_steps=1"]
+    for name, extra in (("ring-loopback", []), ("ring-emulated", emulated)):
+        assert run_cli([*ring, *extra, f"hydra.run.dir={tmp_path / name}"], cwd=tmp_path).returncode == 0
+    for a, b in (("loopback", "emulated"), ("ring-loopback", "ring-emulated")):
+        pa, pb = load_params(tmp_path / a), load_params(tmp_path / b)
+        assert all(bool((pa[k] == pb[k]).all()) for k in pa)  # same collectives, same order: bitwise equal
+
+
+def test_a_failed_run_removes_its_network(tmp_path: Path) -> None:
+    # Rank 1 is late by more than the collective timeout: rank 0's all-reduce fails the run.
+    job = tmp_path / "timeout"
+    proc = run_cli(["world_size=2", "network=emulated", "imbalance=straggler", "imbalance.ranks=[1]",
+                    "imbalance.delay_ms=4000", "timeouts.collective_s=1", "steps=3", "warmup_steps=0",
+                    f"hydra.run.dir={job}"], cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 1
+    assert read_json(job / "summary.json")["status"] == "failed"
+
+
+def start_long_run(tmp_path: Path, job: Path) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "testbed", "world_size=2", "sync=ps", "network=emulated", "steps=100000",
+         "device=cpu", f"hydra.run.dir={job}"],
+        cwd=tmp_path, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.time() + 120
+    metrics = job / "metrics" / "rank1.jsonl"
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        time.sleep(0.2)
+    assert metrics.exists(), "the run never started"
+    return proc
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_launcher_removes_its_network(tmp_path: Path, sig: signal.Signals) -> None:
+    proc = start_long_run(tmp_path, tmp_path / "job")
+    assert {n for n in testbed_namespaces() if n.startswith(f"tb{proc.pid}n")}
+    proc.send_signal(sig)
+    proc.wait(timeout=60)
+    assert not {n for n in testbed_namespaces() if n.startswith(f"tb{proc.pid}n")}
+
+
+def test_cleanup_removes_what_a_killed_launcher_left(tmp_path: Path) -> None:
+    proc = start_long_run(tmp_path, tmp_path / "job")
+    proc.kill()  # SIGKILL: no chance to clean up
+    proc.wait(timeout=30)
+    time.sleep(1.0)  # its ranks and servers notice their parent is gone
+    left = {n for n in testbed_namespaces() if n.startswith(f"tb{proc.pid}n")}
+    assert left  # ranks, servers and the switch
+    out = subprocess.run([sys.executable, "-m", "testbed.netem", "cleanup"], capture_output=True, text=True, env=cli_env())
+    assert out.returncode == 0 and f"removed {len(left)}" in out.stdout
+    assert not {n for n in testbed_namespaces() if n.startswith(f"tb{proc.pid}n")}
+
+
+def test_bad_network_config_fails_before_spawning(tmp_path: Path) -> None:
+    proc = run_cli(["network=emulated", "network.bandwidth=fast", f"hydra.run.dir={tmp_path / 'x'}"], cwd=tmp_path)
+    assert proc.returncode == 2 and "network.bandwidth=fast" in proc.stderr
+    assert not (tmp_path / "x" / "logs").exists()
