@@ -35,7 +35,7 @@ def run_job(cfg: DictConfig) -> Optional[dict[str, Any]]:
             _check_joined(cfg, joined, hydra_cfg, multirun)
         config.validate(cfg, local_world_size=joined[3] if joined else None)
     except config.ConfigError as exc:
-        return _config_failure(cfg, job_dir, str(exc), multirun)
+        return _with_overrides(job_dir, _config_failure(cfg, job_dir, str(exc), multirun), hydra_cfg)
 
     plain = config.to_plain(cfg)
     if joined is not None:
@@ -48,6 +48,7 @@ def run_job(cfg: DictConfig) -> Optional[dict[str, Any]]:
             return None
     else:
         summary = _spawn(cfg, plain, job_dir)
+    summary = _with_overrides(job_dir, summary, hydra_cfg)
     print(format_table([summary_row(summary)]), flush=True)
     if summary["status"] != "ok" and not multirun:
         sys.exit(1)
@@ -86,6 +87,15 @@ def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path) -> dict[str, A
         return _record_failure(job_dir, plain, failure.message, failure.rank)
     except Exception as exc:  # servers that never came up, a rendezvous timeout, ...: still a result
         return _record_failure(job_dir, plain, f"{type(exc).__name__}: {exc}", None)
+
+
+def _with_overrides(job_dir: Path, summary: Optional[dict[str, Any]], hydra_cfg: Any) -> Optional[dict[str, Any]]:
+    """Add the job's command-line overrides: within a sweep they say which jobs share a configuration
+    (interpolated or run-time values such as server addresses cannot)."""
+    if summary is not None:
+        summary["overrides"] = list(hydra_cfg.overrides.task)
+        write_summary(job_dir, summary)
+    return summary
 
 
 def _record_failure(job_dir: Path, plain: dict[str, Any], message: str, rank: Optional[int]) -> dict[str, Any]:

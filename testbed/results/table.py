@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 COLUMNS = (
     ("sync", "sync"), ("n", "world_size"), ("status", "status"), ("samples/s", "throughput"),
-    ("step ms", "step_ms"), ("sync ms", "sync_ms"), ("wait ms", "wait_ms"), ("speedup", "speedup"),
+    ("step ms", "step_ms"), ("sync ms", "sync_ms"), ("wait ms", "wait_ms"), ("imbalance", "imbalance"), ("speedup", "speedup"),
     ("efficiency", "efficiency"), ("MB/step", "mb_per_step"), ("loss", "final_loss"),
 )  # fmt: skip
 
@@ -23,23 +23,39 @@ def _ms(summary: dict[str, Any], phase: str) -> Optional[float]:
     return None if not spread or spread.get("median") is None else 1e3 * spread["median"]
 
 
+def sync_label(summary: dict[str, Any]) -> Any:
+    """The synchronizer as a row names it: PS variants carry their mode and shard count."""
+    sync = (summary.get("config") or {}).get("sync") or {}
+    if summary.get("sync") != "ps":
+        return summary.get("sync")
+    servers = sync.get("servers", 1)
+    return f"ps-{sync.get('mode', 'sync')}" + (f" k={servers}" if servers != 1 else "")
+
+
 def summary_row(summary: dict[str, Any]) -> dict[str, Any]:
     return {
-        "sync": summary.get("sync"),
+        "sync": sync_label(summary),
         "world_size": summary.get("world_size"),
         "status": summary.get("status"),
         "throughput": summary.get("throughput"),
         "step_ms": None if summary.get("step_time") is None else 1e3 * summary["step_time"],
         "sync_ms": _ms(summary, "t_sync"),
         "wait_ms": _ms(summary, "t_wait"),
+        "imbalance": summary.get("imbalance"),
         "mb_per_step": None if summary.get("bytes_per_step") is None else summary["bytes_per_step"] / 1e6,
         "final_loss": summary.get("final_loss"),
     }
 
 
 def _baseline_key(summary: dict[str, Any]) -> str:
+    """Jobs with equal keys differ only in world_size: the command-line overrides but world_size
+    (values that follow world_size, such as ps_sharded's shard count, stay equal there), or, for
+    summaries without them, the resolved config but world_size and run-time server addresses."""
+    if "overrides" in summary:
+        return json.dumps(sorted(o for o in summary["overrides"] if not o.startswith("world_size=")))
     cfg = dict(summary.get("config") or {})
     cfg.pop("world_size", None)
+    cfg["sync"] = {k: v for k, v in (cfg.get("sync") or {}).items() if k != "addresses"}
     return json.dumps(cfg, sort_keys=True, default=str)
 
 
@@ -51,7 +67,7 @@ def comparison_rows(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if s.get("world_size") == 1 and s.get("status") == "ok" and s.get("throughput")
     }
     rows = []
-    for s in sorted(summaries, key=lambda s: (str(s.get("sync")), s.get("world_size") or 0)):
+    for s in sorted(summaries, key=lambda s: (str(sync_label(s)), s.get("world_size") or 0)):
         row = summary_row(s)
         base = single.get(_baseline_key(s))
         if base and s.get("throughput"):
