@@ -120,6 +120,9 @@ class PsSyncConfig(SyncBase):
     host: str = "127.0.0.1"  # address local servers bind to
     # Servers started elsewhere (python -m testbed.ps.server); empty: the launcher starts them here.
     addresses: list[str] = field(default_factory=list)
+    # Push each shard during backward as soon as all its gradients are ready. A shard is pushed
+    # whole, so the granularity is the shard: with one server nothing is ready before backward ends.
+    overlap: bool = False
 
 
 # --- model group ------------------------------------------------------------------------------

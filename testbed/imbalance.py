@@ -27,7 +27,7 @@ from testbed import config
 class Injector:
     """Extra time per step for one rank."""
 
-    def __init__(self, cfg: Any, rank: int, world_size: int, seed: int) -> None:
+    def __init__(self, cfg: Any, rank: int, seed: int) -> None:
         self.cfg, self.rank = cfg, rank
         self.rng = random.Random(seed * 1_000_003 + rank * 7919 + 17)
         ranks = cfg.get("ranks")
@@ -39,10 +39,6 @@ class Injector:
         if cfg.name == "heterogeneous":
             speeds = list(cfg.speeds)
             self.factor = 1.0 / speeds[rank] - 1.0 if rank < len(speeds) else 0.0
-
-    @property
-    def active(self) -> bool:
-        return self.cfg.name in ("straggler", "jitter", "heterogeneous")
 
     def draw_s(self) -> float:
         """The jitter of one step (0 for other kinds); advances the generator either way."""

@@ -16,7 +16,7 @@ TENSORS = 8  # depth 3: four linear layers, weight and bias each
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("buckets")
-    out = {name: tmp / name for name in ("ref", "ref24", "sweep", "accumulate")}
+    out = {name: tmp / name for name in ("ref", "ref24", "sweep", "accumulate", "ps")}
     commands = {
         "ref": ["sync=none", "world_size=1", "data.batch_size=12"],
         "ref24": ["sync=none", "world_size=1", "data.batch_size=24"],
@@ -25,6 +25,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                   "world_size=2", "data.batch_size=12"],
         "accumulate": ["-m", "sync=allreduce,ring", "sync.accumulate=2", "sync.bucket_mb=0", "sync.overlap=true",
                        "world_size=2", "data.batch_size=12"],
+        # The parameter server's analogue: three shards, each pushed as soon as backward completed it.
+        "ps": ["-m", "sync=ps", "sync.servers=3", "sync.overlap=true,false", "sync.accumulate=1,2", "world_size=2",
+               "data.batch_size=12"],
     }  # fmt: skip
     for name, args in commands.items():
         key = "hydra.sweep.dir" if "-m" in args else "hydra.run.dir"
@@ -63,3 +66,15 @@ def test_overlap_with_accumulation_communicates_once_per_window(runs: dict[str, 
     for job, summary in jobs(runs["accumulate"]):
         assert relative_error(load_params(job), ref) <= TOL, job.name
         assert summary["bytes_per_step"] == pytest.approx(summary["gradient_bytes"], rel=0.01)
+
+
+def test_ps_pushing_shards_during_backward_trains_the_same_model(runs: dict[str, Path]) -> None:
+    found = jobs(runs["ps"])
+    assert len(found) == 4
+    for job, summary in found:
+        cfg = summary["config"]["sync"]
+        ref = load_params(runs["ref24" if cfg["accumulate"] == 2 else "ref"])
+        assert summary["status"] == "ok" and summary["sync_facts"]["overlap"] == cfg["overlap"], job.name
+        assert relative_error(load_params(job), ref) <= TOL, job.name
+        pushes = sum(s["pushes"] for s in summary["sync_facts"]["server_stats"])
+        assert pushes == 3 * 2 * summary["steps"]  # one whole push per shard, worker and window

@@ -24,10 +24,10 @@ def jitter(distribution: str, std_ms: float | None = 4.0, ranks: list[int] | Non
 @pytest.mark.parametrize("distribution,std_ms", [("normal", 4.0), ("lognormal", 4.0), ("exponential", None)])
 def test_jitter_is_seeded_and_has_the_configured_moments(distribution: str, std_ms: float | None) -> None:
     cfg = jitter(distribution, std_ms)
-    draws = [Injector(cfg, rank=1, world_size=2, seed=7).delay_s(None) for _ in range(3)]
+    draws = [Injector(cfg, rank=1, seed=7).delay_s(None) for _ in range(3)]
     assert draws[0] == draws[1] == draws[2]  # a fresh injector with the same seed draws the same
-    same = Injector(cfg, rank=1, world_size=2, seed=7)
-    other_seed, other_rank = Injector(cfg, 1, 2, seed=8), Injector(cfg, 0, 2, seed=7)
+    same = Injector(cfg, rank=1, seed=7)
+    other_seed, other_rank = Injector(cfg, 1, seed=8), Injector(cfg, 0, seed=7)
     series = [same.delay_s(None) for _ in range(20_000)]
     assert series[:50] != [other_seed.delay_s(None) for _ in range(50)]
     assert series[:50] != [other_rank.delay_s(None) for _ in range(50)]
@@ -40,20 +40,20 @@ def test_jitter_is_seeded_and_has_the_configured_moments(distribution: str, std_
 
 
 def test_jitter_only_on_chosen_ranks() -> None:
-    chosen = Injector(jitter("lognormal", ranks=[1]), rank=1, world_size=2, seed=3)
-    spared = Injector(jitter("lognormal", ranks=[1]), rank=0, world_size=2, seed=3)
+    chosen = Injector(jitter("lognormal", ranks=[1]), rank=1, seed=3)
+    spared = Injector(jitter("lognormal", ranks=[1]), rank=0, seed=3)
     assert [spared.delay_s(None) for _ in range(10)] == [0.0] * 10
     assert all(chosen.delay_s(None) > 0 for _ in range(10))
 
 
 def test_straggler_and_heterogeneous_scale_the_measured_compute() -> None:
     straggler = OmegaConf.create({"name": "straggler", "ranks": [1], "slowdown": 1.0, "delay_ms": 5.0})
-    assert Injector(straggler, 1, 2, 0).delay_s(0.02) == pytest.approx(0.025)
-    assert Injector(straggler, 1, 2, 0).delay_s(None) == pytest.approx(0.005)  # no measurement yet
-    assert Injector(straggler, 0, 2, 0).delay_s(0.02) == 0.0
+    assert Injector(straggler, 1, 0).delay_s(0.02) == pytest.approx(0.025)
+    assert Injector(straggler, 1, 0).delay_s(None) == pytest.approx(0.005)  # no measurement yet
+    assert Injector(straggler, 0, 0).delay_s(0.02) == 0.0
     hetero = OmegaConf.create({"name": "heterogeneous", "speeds": [1.0, 0.25]})
-    assert Injector(hetero, 1, 3, 0).delay_s(0.01) == pytest.approx(0.03)
-    assert Injector(hetero, 2, 3, 0).delay_s(0.01) == 0.0  # beyond the list: full speed
+    assert Injector(hetero, 1, 0).delay_s(0.01) == pytest.approx(0.03)
+    assert Injector(hetero, 2, 0).delay_s(0.01) == 0.0  # beyond the list: full speed
 
 
 def uneven_cfg(n: int, batch: int, **imbalance: object) -> OmegaConf:

@@ -24,16 +24,16 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def testbed_namespaces() -> set[str]:
+def live_namespaces() -> set[str]:
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return {line.split()[0] for line in out.splitlines() if re.match(r"^tb\d+n\d+-", line)}
 
 
 @pytest.fixture(autouse=True)
 def no_leftovers() -> None:
-    before = testbed_namespaces()
+    before = live_namespaces()
     yield
-    assert testbed_namespaces() == before
+    assert live_namespaces() == before
 
 
 @pytest.mark.parametrize("rate,size", [("100mbit", "2M"), ("1gbit", "16M")])
@@ -107,10 +107,10 @@ def start_long_run(tmp_path: Path, job: Path) -> subprocess.Popen:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_stopped_launcher_removes_its_network(tmp_path: Path, sig: signal.Signals) -> None:
     proc = start_long_run(tmp_path, tmp_path / "job")
-    assert {n for n in testbed_namespaces() if n.startswith(f"tb{proc.pid}n")}
+    assert {n for n in live_namespaces() if n.startswith(f"tb{proc.pid}n")}
     proc.send_signal(sig)
     proc.wait(timeout=60)
-    assert not {n for n in testbed_namespaces() if n.startswith(f"tb{proc.pid}n")}
+    assert not {n for n in live_namespaces() if n.startswith(f"tb{proc.pid}n")}
 
 
 def test_cleanup_removes_what_a_killed_launcher_left(tmp_path: Path) -> None:
@@ -118,11 +118,11 @@ def test_cleanup_removes_what_a_killed_launcher_left(tmp_path: Path) -> None:
     proc.kill()  # SIGKILL: no chance to clean up
     proc.wait(timeout=30)
     time.sleep(1.0)  # its ranks and servers notice their parent is gone
-    left = {n for n in testbed_namespaces() if n.startswith(f"tb{proc.pid}n")}
+    left = {n for n in live_namespaces() if n.startswith(f"tb{proc.pid}n")}
     assert left  # ranks, servers and the switch
     out = subprocess.run([sys.executable, "-m", "testbed.netem", "cleanup"], capture_output=True, text=True, env=cli_env())
     assert out.returncode == 0 and f"removed {len(left)}" in out.stdout
-    assert not {n for n in testbed_namespaces() if n.startswith(f"tb{proc.pid}n")}
+    assert not {n for n in live_namespaces() if n.startswith(f"tb{proc.pid}n")}
 
 
 def test_bad_network_config_fails_before_spawning(tmp_path: Path) -> None:

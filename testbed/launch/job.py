@@ -115,6 +115,10 @@ def _check_joined(cfg: DictConfig, joined: tuple[int, int, int, int], hydra_cfg:
             f"world_size={cfg.world_size} but the surrounding torchrun/Slurm world has {world_size} ranks; "
             f"set world_size={world_size}"
         )
+    if cfg.network.name == "emulated":
+        raise config.ConfigError(
+            "network=emulated builds its namespaces around ranks it spawns itself; run without torchrun/Slurm"
+        )
     if cfg.sync.name == "ps" and not cfg.sync.addresses:
         raise config.ConfigError(
             "sync=ps inside torchrun/Slurm: start the servers with python -m testbed.ps.server and pass "

@@ -64,7 +64,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str) -> Optional[dict[str, Any
         trainer = Trainer(
             optimizer, sync, batches, world, step_log, cfg.steps,
             bf16=cfg.precision == "bf16", log_every=cfg.log_every,
-            injector=Injector(cfg.imbalance, world.rank, world.world_size, cfg.seed),
+            injector=Injector(cfg.imbalance, world.rank, cfg.seed),
             loss_weight=loss_weight(sizes, world.rank),
         )  # fmt: skip
         try:

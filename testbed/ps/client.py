@@ -91,13 +91,14 @@ class PsClient:
 
         return self._each(send)
 
-    def push(self, grads: list[torch.Tensor], base_versions: list[int]) -> list[pb.PushReply]:
-        def send(i: int) -> pb.PushReply:
-            link_delay()  # one emulated latency per request (testbed.netem.latency)
-            stream = encoded_chunks(grads[i], i, self.worker, base_versions[i], self.chunk_bytes, self._view(grads[i]))
-            return self._call(i, "Push", lambda: self._push[i](stream, timeout=self.timeout_s, metadata=self.metadata))
+    def push_shard(self, i: int, grad: torch.Tensor, base_version: int) -> pb.PushReply:
+        """Push shard ``i``'s whole gradient (computed on parameters of ``base_version``)."""
+        link_delay()  # one emulated latency per request (testbed.netem.latency)
+        stream = encoded_chunks(grad, i, self.worker, base_version, self.chunk_bytes, self._view(grad))
+        return self._call(i, "Push", lambda: self._push[i](stream, timeout=self.timeout_s, metadata=self.metadata))
 
-        return self._each(send)
+    def push(self, grads: list[torch.Tensor], base_versions: list[int]) -> list[pb.PushReply]:
+        return self._each(lambda i: self.push_shard(i, grads[i], base_versions[i]))
 
     def pull(self, params: list[torch.Tensor], clock: int) -> PullResult:
         def receive(i: int) -> tuple[int, float, int]:

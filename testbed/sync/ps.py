@@ -3,11 +3,17 @@
 The optimizer runs on the servers (testbed.ps.server), so the trainer's optimizer does not step.
 Parameters and gradients live in two flat buffers that the model's tensors view: pulls write the
 parameters in place and pushes read the gradients in place, with no per-step allocation.
+
+With ``sync.overlap`` each shard is pushed from backward's hooks as soon as every parameter it
+holds has its gradient, while backward goes on; shards stay whole pushes, so the servers validate
+and apply them exactly as without overlap.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager, nullcontext
+from typing import Any, ContextManager, Iterator
 
 import torch
 import torch.distributed as dist
@@ -44,16 +50,68 @@ class ParameterServerSync(Synchronizer):
                     f"ps shard {i} at {self.cfg.addresses[i]} expects {info.workers} workers in mode {info.mode}; "
                     f"this run has world_size={world.world_size}, sync.mode={self.cfg.mode}"
                 )
+        self.overlap = bool(self.cfg.overlap) and servers > 1
+        if self.overlap:
+            self._watch_shards(model, bounds)
         if world.rank == 0:
             self.client.init_params(self.param_shards)
         dist.barrier()  # every shard holds the initial parameters before anyone pulls
         self.clock = 0
         self.versions = self.client.pull(self.param_shards, self.clock).versions
 
+    # --- overlap: push each shard from backward's hooks -------------------------------------
+
+    def _watch_shards(self, model: nn.Module, bounds: list[tuple[int, int]]) -> None:
+        self._shards_of: dict[int, list[int]] = {}
+        self._needed = [0] * len(bounds)
+        offset = 0
+        for p in (p for p in model.parameters() if p.requires_grad):  # flat_views' order
+            lo, hi = offset, offset + p.numel()
+            offset = hi
+            shards = [i for i, (a, b) in enumerate(bounds) if a < hi and lo < b]
+            self._shards_of[id(p)] = shards
+            for i in shards:
+                self._needed[i] += 1
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+        self._pushes = ThreadPoolExecutor(max_workers=len(bounds), thread_name_prefix="ps-push")
+        self._armed = False
+
+    @contextmanager
+    def _boundary_backward(self) -> Iterator[None]:
+        self._remaining = list(self._needed)
+        self._launched: dict[int, Future] = {}
+        self._armed = True
+        try:
+            yield
+        finally:
+            self._armed = False
+
+    def micro_step(self, is_boundary: bool) -> ContextManager[None]:
+        return self._boundary_backward() if self.overlap and is_boundary else nullcontext()
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        for i in self._shards_of[id(p)]:
+            self._remaining[i] -= 1
+            if self._remaining[i] == 0:
+                self._launch(i)
+
+    def _launch(self, i: int) -> None:
+        self._launched[i] = self._pushes.submit(self.client.push_shard, i, self.grad_shards[i], self.versions[i])
+
+    # --- the step --------------------------------------------------------------------------------
+
     def after_backward(self, step: int, is_boundary: bool = True) -> SyncReport:
         if not is_boundary:  # accumulate locally; push once per window
             return SyncReport()
-        replies = self.client.push(self.grad_shards, self.versions)
+        if self.overlap:
+            for i in range(len(self.grad_shards)):  # shards whose parameters backward did not reach
+                if i not in self._launched:
+                    self._launch(i)
+            replies = [self._launched[i].result() for i in range(len(self.grad_shards))]
+        else:
+            replies = self.client.push(self.grad_shards, self.versions)
         self.clock += 1
         pulled = self.client.pull(self.param_shards, self.clock)
         self.versions = pulled.versions
@@ -79,9 +137,12 @@ class ParameterServerSync(Synchronizer):
             "servers": int(self.cfg.servers),
             "staleness_bound": int(self.cfg.staleness) if self.cfg.mode == "ssp" else None,
             "addresses": list(self.cfg.addresses),
+            "overlap": self.overlap,
             "server_stats": describe_stats(self.client.stats()),
         }
 
     def close(self) -> None:
+        if getattr(self, "overlap", False):
+            self._pushes.shutdown(wait=True)
         if hasattr(self, "client"):
             self.client.close()
