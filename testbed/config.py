@@ -261,6 +261,19 @@ class LocalLauncherConfig:
     monitor_interval_s: float = 0.1
 
 
+WANDB_MODES = ("disabled", "offline", "online")
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "disabled"  # disabled | offline (written under the job dir, synced later) | online
+    project: str = "testbed"
+    entity: Optional[str] = None
+    group: Optional[str] = None  # null: the sweep's directory (a single run: its own directory)
+    tags: list[str] = field(default_factory=list)
+    init_timeout_s: float = 60.0  # an unreachable server costs at most this, once
+
+
 @dataclass
 class TimeoutsConfig:
     collective_s: float = 300.0  # every collective and point-to-point wait (process-group timeout)
@@ -286,6 +299,7 @@ class Config:
     threads_per_rank: int = 0  # 0: the machine's cores divided among the local ranks
     log_every: int = 0  # progress line on rank 0 every n steps; 0: about ten lines per run
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
@@ -373,6 +387,7 @@ def validate(cfg: DictConfig, local_world_size: Optional[int] = None) -> None:
     _require(cfg.threads_per_rank >= 0, f"threads_per_rank={cfg.threads_per_rank}: must be >= 0 (0 = auto)")
     _require(cfg.timeouts.collective_s > 0, "timeouts.collective_s: must be > 0 seconds")
     _require(cfg.timeouts.rendezvous_s > 0, "timeouts.rendezvous_s: must be > 0 seconds")
+    _require(cfg.wandb.mode in WANDB_MODES, f"wandb.mode={cfg.wandb.mode}: allowed: {'|'.join(WANDB_MODES)}")
 
     data = cfg.data
     _require(data.batch_size >= 1, f"data.batch_size={data.batch_size}: must be >= 1")

@@ -43,6 +43,7 @@ class Trainer:
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy,
         injector: Injector | None = None,
         loss_weight: float = 1.0,
+        on_record: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         # The model is the synchronizer's (sync.module): a wrapper such as DDP may stand in front of it.
         self.optimizer, self.sync, self.batches = optimizer, sync, batches
@@ -53,6 +54,7 @@ class Trainer:
         self.log_every = log_every or max(1, steps // 10)
         self.injector = injector
         self.loss_weight = loss_weight  # != 1 only for uneven shards (testbed.imbalance)
+        self.on_record = on_record  # e.g. the W&B mirror, called with each step's record
 
     def run(self) -> list[dict[str, Any]]:
         device, world, sync = self.world.device, self.world, self.sync
@@ -119,6 +121,8 @@ class Trainer:
                 record["staleness"] = report.staleness
             self.step_log.write(record)
             records.append(record)
+            if self.on_record is not None:
+                self.on_record(record)
             if world.is_main and ((step + 1) % self.log_every == 0 or step + 1 == self.steps):
                 self._progress(step, record, time.perf_counter() - began)
         return records

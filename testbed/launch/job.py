@@ -20,7 +20,7 @@ from testbed.netem import EmulatedNetwork
 from testbed.ps.launch import LocalServers
 from testbed.ps.wire import TOKEN_ENV
 from testbed.results.summary import failed_summary, summarize, write_summary
-from testbed.results.table import format_table, summary_row
+from testbed.results.table import format_table, summary_row, sync_label
 
 log = logging.getLogger("testbed")
 
@@ -38,16 +38,17 @@ def run_job(cfg: DictConfig) -> Optional[dict[str, Any]]:
         return _with_overrides(job_dir, _config_failure(cfg, job_dir, str(exc), multirun), hydra_cfg)
 
     plain = config.to_plain(cfg)
+    identity = _identity(plain, hydra_cfg, multirun)
     if joined is not None:
         try:
-            summary = rank_main(plain, str(job_dir))  # every rank runs here; rank 0 returns the summary
+            summary = rank_main(plain, str(job_dir), identity)  # every rank runs here; rank 0 returns the summary
         except Exception as exc:
             _record_failure(job_dir, plain, f"{type(exc).__name__}: {exc}", joined[0])
             raise  # torchrun/Slurm see the rank fail and stop the others
         if summary is None:
             return None
     else:
-        summary = _spawn(cfg, plain, job_dir)
+        summary = _spawn(cfg, plain, job_dir, identity)
     summary = _with_overrides(job_dir, summary, hydra_cfg)
     print(format_table([summary_row(summary)]), flush=True)
     if summary["status"] != "ok" and not multirun:
@@ -55,7 +56,7 @@ def run_job(cfg: DictConfig) -> Optional[dict[str, Any]]:
     return summary
 
 
-def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path) -> dict[str, Any]:
+def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path, identity: dict[str, Any]) -> dict[str, Any]:
     """Build the emulated network and start the parameter servers when the run needs them, then the
     ranks; take all of it down again, whatever happens."""
     log.info("spawning %d rank(s): sync=%s model=%s data=%s -> %s", cfg.world_size, cfg.sync.name,
@@ -78,7 +79,7 @@ def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path) -> dict[str, A
                 env[TOKEN_ENV] = ps.token  # inherited by the ranks; kept out of the config
                 log.info("parameter servers up: %s", ", ".join(ps.addresses))
             results = spawn_world(
-                rank_main, (plain, str(job_dir)), cfg.world_size, job_dir / "logs",
+                rank_main, (plain, str(job_dir), identity), cfg.world_size, job_dir / "logs",
                 rendezvous_timeout_s=cfg.timeouts.rendezvous_s, echo_rank0=cfg.launcher.echo_rank0,
                 monitor_interval_s=cfg.launcher.monitor_interval_s, env=env,
             )  # fmt: skip
@@ -87,6 +88,17 @@ def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path) -> dict[str, A
         return _record_failure(job_dir, plain, failure.message, failure.rank)
     except Exception as exc:  # servers that never came up, a rendezvous timeout, ...: still a result
         return _record_failure(job_dir, plain, f"{type(exc).__name__}: {exc}", None)
+
+
+def _identity(plain: dict[str, Any], hydra_cfg: Any, multirun: bool) -> dict[str, Any]:
+    """How W&B names the job: its overrides; its group, the sweep; its job type, the synchronizer."""
+    overrides = [o for o in hydra_cfg.overrides.task if not o.startswith("hydra.")]
+    return {
+        "overrides": list(hydra_cfg.overrides.task),
+        "name": ",".join(overrides) or "defaults",
+        "group": str(hydra_cfg.sweep.dir if multirun else hydra_cfg.run.dir),
+        "job_type": str(sync_label(plain)),
+    }
 
 
 def _with_overrides(job_dir: Path, summary: Optional[dict[str, Any]], hydra_cfg: Any) -> Optional[dict[str, Any]]:

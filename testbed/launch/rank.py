@@ -28,6 +28,8 @@ from testbed.netem import enter_rank_namespace
 from testbed.optim import build_optimizer
 from testbed.results.step_log import StepLog, metrics_path
 from testbed.results.summary import summarize, write_summary
+from testbed.results.table import sync_label
+from testbed.results.wandb_run import WandbRun
 from testbed.sync import build_synchronizer
 from testbed.timing import fill_wait_from_latest
 from testbed.trainer import Trainer
@@ -37,8 +39,11 @@ log = logging.getLogger("testbed")
 
 
 @record
-def rank_main(plain_cfg: dict[str, Any], job_dir: str) -> Optional[dict[str, Any]]:
-    """Train one rank; rank 0 writes summary.json and model_final.pt and returns the summary."""
+def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
+    """Train one rank; rank 0 writes summary.json and model_final.pt and returns the summary.
+
+    ``identity`` names the job for W&B: ``name``, ``group``, ``job_type`` and its ``overrides``.
+    """
     cfg = OmegaConf.create(plain_cfg)
     # The launcher stops surviving ranks with SIGTERM when one fails; exiting through Python runs
     # the finally blocks, which flush this rank's metrics.
@@ -50,6 +55,8 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str) -> Optional[dict[str, Any
     _configure_logging(world.rank)
     log.info("rank %d/%d pid %d device %s backend %s", world.rank, world.world_size, os.getpid(), world.device, world.backend)
     sync = build_synchronizer(cfg.sync)
+    tracker: Optional[WandbRun] = None
+    summary: Optional[dict[str, Any]] = None
     try:
         threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // world.local_world_size)
         torch.set_num_threads(threads)
@@ -60,20 +67,26 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str) -> Optional[dict[str, Any
         model = build_model(cfg.model, spec).to(world.device)
         optimizer = build_optimizer(cfg.optim, model.parameters())
         sync.setup(model, optimizer, world)
+        if world.is_main:  # the process group and the parameter servers are up
+            tracker = WandbRun(cfg.wandb, plain_cfg, Path(job_dir), identity or job_identity(plain_cfg, job_dir))
         step_log = StepLog(metrics_path(Path(job_dir), world.rank))
         trainer = Trainer(
             optimizer, sync, batches, world, step_log, cfg.steps,
             bf16=cfg.precision == "bf16", log_every=cfg.log_every,
             injector=Injector(cfg.imbalance, world.rank, cfg.seed),
             loss_weight=loss_weight(sizes, world.rank),
+            on_record=tracker.log_step if tracker else None,
         )  # fmt: skip
         try:
             records = trainer.run()
         finally:
             step_log.close()  # everything written before the exchange (or the crash report)
         sync.finalize()
-        return _finish(plain_cfg, world, model, sync, step_log, records, Path(job_dir))
+        summary = _finish(plain_cfg, world, model, sync, step_log, records, Path(job_dir))
+        return summary
     finally:
+        if tracker:
+            tracker.finish(summary)
         sync.close()
         close_world()
 
@@ -103,6 +116,12 @@ def _finish(
     summary = summarize(plain_cfg, [g[0] for g in gathered], [g[1] for g in gathered], sync.describe())
     write_summary(job_dir, summary)
     return summary
+
+
+def job_identity(plain_cfg: dict[str, Any], job_dir: str) -> dict[str, Any]:
+    """W&B identity of a job launched without one: its directory names it and its group."""
+    name = Path(job_dir).name
+    return {"name": name, "group": str(Path(job_dir).parent), "job_type": str(sync_label(plain_cfg)), "overrides": []}
 
 
 def param_hash(model: torch.nn.Module) -> str:

@@ -1,0 +1,111 @@
+"""Figures from the aggregated frames, each written as PNG and PDF."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display on servers and in CI
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from analysis.metrics import breakdown  # noqa: E402
+
+
+def _save(fig: plt.Figure, out: Path, name: str) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{name}.png", out / f"{name}.pdf"]
+    fig.tight_layout()
+    for path in paths:
+        fig.savefig(path, dpi=150)
+    plt.close(fig)
+    return paths
+
+
+def _series(table: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    """One line per configuration, named by its sync option, plus the rest of its overrides where
+    the option alone does not tell the lines apart."""
+    groups = list(table.groupby("config_key", dropna=False))
+    names = [str(group["option"].iloc[0]) for _, group in groups]
+    out = []
+    for name, (key, group) in zip(names, groups):
+        rest = ",".join(o for o in str(key).split(",") if o and not o.startswith(("sync=", "+experiment")))
+        label = f"{name} ({rest})" if names.count(name) > 1 and rest else name
+        out.append((label, group.sort_values("world_size")))
+    return sorted(out, key=lambda item: item[0])
+
+
+def scaling(table: pd.DataFrame, out: Path) -> list[Path]:
+    """Figure 1: scaling efficiency and throughput against workers, one line per synchronizer."""
+    fig, (ax_e, ax_x) = plt.subplots(1, 2, figsize=(10, 4))
+    for label, g in _series(table):
+        ax_e.errorbar(g["world_size"], g["efficiency"], yerr=g["efficiency_std"], marker="o", capsize=3, label=label)
+        ax_x.errorbar(g["world_size"], g["throughput"], yerr=g["throughput_std"], marker="o", capsize=3, label=label)
+    ax_e.set(xlabel="workers", ylabel="scaling efficiency X(n) / (n X(1))", ylim=(0, None))
+    ax_x.set(xlabel="workers", ylabel="throughput (samples/s)", ylim=(0, None))
+    for ax in (ax_e, ax_x):
+        ax.set_xticks(sorted(table["world_size"].unique()))
+        ax.grid(alpha=0.3)
+    ax_e.legend(fontsize=8)
+    return _save(fig, out, "scaling")
+
+
+def diminishing_returns(table: pd.DataFrame, out: Path) -> list[Path]:
+    """Figure 8: speed-up and the marginal speed-up per added worker."""
+    fig, (ax_s, ax_m) = plt.subplots(1, 2, figsize=(10, 4))
+    for label, g in _series(table):
+        ax_s.errorbar(g["world_size"], g["speedup"], yerr=g["speedup_std"], marker="o", capsize=3, label=label)
+        ax_m.plot(g["world_size"], g["marginal_speedup"], marker="o", label=label)
+    ns = sorted(table["world_size"].unique())
+    ax_s.plot(ns, ns, "k--", lw=0.8, label="linear")
+    ax_m.axhline(0.0, color="k", lw=0.8)
+    ax_s.set(xlabel="workers", ylabel="speed-up S(n)")
+    ax_m.set(xlabel="workers", ylabel="marginal speed-up per added worker")
+    for ax in (ax_s, ax_m):
+        ax.set_xticks(ns)
+        ax.grid(alpha=0.3)
+    ax_s.legend(fontsize=8)
+    return _save(fig, out, "diminishing_returns")
+
+
+def versus(table: pd.DataFrame, key: str, out: Path) -> list[Path]:
+    """Step time and throughput against a swept override (bucket size, accumulation, slowdown, ...)."""
+    name = key.removeprefix("set:")
+    fig, (ax_t, ax_x) = plt.subplots(1, 2, figsize=(10, 4))
+    for (sync, n), g in table.groupby(["option", "world_size"]):
+        g = g.sort_values(key)
+        label = f"{sync}, n={n}"
+        ax_t.errorbar(g[key], 1e3 * g["step_time"], yerr=1e3 * g["step_time_std"], marker="o", capsize=3, label=label)
+        ax_x.errorbar(g[key], g["throughput"], yerr=g["throughput_std"], marker="o", capsize=3, label=label)
+    ax_t.set(xlabel=name, ylabel="step time (ms)", ylim=(0, None))
+    ax_x.set(xlabel=name, ylabel="throughput (samples/s)", ylim=(0, None))
+    for ax in (ax_t, ax_x):
+        ax.grid(alpha=0.3)
+    ax_t.legend(fontsize=8)
+    return _save(fig, out, f"vs_{name.replace('.', '_')}")
+
+
+def step_breakdown(runs: pd.DataFrame, out: Path) -> list[Path]:
+    """Figure 4 style: stacked median phase times per run (sync split into wait and transfer)."""
+    frame = breakdown(runs).sort_values(["option", "world_size", "overrides"])
+    phases = [c for c in ("t_data", "t_injected", "t_forward", "t_backward", "t_transfer", "t_wait", "t_optimizer")
+              if c in frame.columns]  # fmt: skip
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(frame) + 2), 4.5))
+    bottom = pd.Series(0.0, index=frame.index)
+    for phase in phases:
+        ax.bar(range(len(frame)), frame[phase], bottom=bottom, label=phase.removeprefix("t_"))
+        bottom += frame[phase]
+    labels = [_short_label(r) for _, r in frame.iterrows()]
+    ax.set_xticks(range(len(frame)), labels, rotation=60, ha="right", fontsize=7)
+    ax.set(ylabel="median time per step (ms)")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    return _save(fig, out, "breakdown")
+
+
+def _short_label(row: pd.Series) -> str:
+    keep = [o for o in str(row["overrides"]).split(",") if o and not o.startswith(("+experiment", "sync=", "world_size=",
+                                                                                     "device=", "launcher.", "hydra."))]  # fmt: skip
+    return f"{row['option']} n={row['world_size']}" + (f" {' '.join(keep)}" if keep else "")

@@ -1,0 +1,91 @@
+"""Scaling metrics over the run frame (analysis.load), repeats averaged with their spread.
+
+For a configuration (the job's overrides but world_size and seed) with throughput X(n):
+- speed-up S(n) = X(n) / X(1), X(1) the mean of that configuration's single-worker runs;
+- scaling efficiency E(n) = S(n) / n;
+- marginal speed-up (S(n) - S(m)) / (n - m) per worker added since the next smaller n = m
+  (diminishing returns: where it falls toward 0, adding workers stops paying);
+- ``efficiency_common``: against the fastest single-worker run of the same setting under any
+  synchronizer, so that synchronizers whose own n = 1 run pays for communication (a parameter
+  server round trip) are measured against the same baseline as everyone else.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+MEASURES = ("throughput", "step_time", "imbalance", "idle_fraction")
+
+
+def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
+    """One row per (configuration, world_size): means and standard deviations over repeats."""
+    ok = runs[runs["status"] == "ok"]
+    if ok.empty:
+        return pd.DataFrame()
+    keys = ["config_key", "setting_key", "option", "world_size"]
+    grouped = ok.groupby(keys, dropna=False)
+    table = grouped[list(MEASURES)].mean()
+    table["throughput_std"] = grouped["throughput"].std().fillna(0.0)
+    table["step_time_std"] = grouped["step_time"].std().fillna(0.0)
+    table["repeats"] = grouped.size()
+    table = table.reset_index()
+
+    single = table[table["world_size"] == 1]
+    own = single.set_index("config_key")["throughput"]
+    common = single.groupby("setting_key")["throughput"].max()
+    table["speedup"] = table["throughput"] / table["config_key"].map(own)
+    table["speedup_std"] = table["throughput_std"] / table["config_key"].map(own)
+    table["efficiency"] = table["speedup"] / table["world_size"]
+    table["efficiency_std"] = table["speedup_std"] / table["world_size"]
+    table["efficiency_common"] = table["throughput"] / table["setting_key"].map(common) / table["world_size"]
+    table = table.sort_values(["option", "config_key", "world_size"]).reset_index(drop=True)
+    table["marginal_speedup"] = _marginal(table)
+    return table
+
+
+def _marginal(table: pd.DataFrame) -> pd.Series:
+    out = pd.Series(float("nan"), index=table.index)
+    for _, group in table.groupby("config_key", dropna=False):
+        group = group.sort_values("world_size")
+        prev_n, prev_s = None, None
+        for idx, row in group.iterrows():
+            if prev_n is not None and row["world_size"] > prev_n:
+                out[idx] = (row["speedup"] - prev_s) / (row["world_size"] - prev_n)
+            prev_n, prev_s = row["world_size"], row["speedup"]
+    return out
+
+
+def aggregate_by(runs: pd.DataFrame, key: str) -> pd.DataFrame:
+    """Means and spread over repeats per (sync, world_size, value of the swept override ``key``)."""
+    grouped = runs.groupby(["option", "world_size", key], dropna=False)
+    table = grouped[["throughput", "step_time"]].mean()
+    table["throughput_std"] = grouped["throughput"].std().fillna(0.0)
+    table["step_time_std"] = grouped["step_time"].std().fillna(0.0)
+    return table.reset_index()
+
+
+def swept_keys(runs: pd.DataFrame) -> list[str]:
+    """Overrides other than sync, world_size and seed that take several numeric values in the runs."""
+    keys = []
+    for column in runs.columns:
+        if not column.startswith("set:") or column in ("set:sync", "set:world_size", "set:seed"):
+            continue
+        values = runs[column].dropna().unique()
+        if len(values) > 1 and all(isinstance(v, (int, float)) for v in values):
+            keys.append(column)
+    return keys
+
+
+PHASES = ("t_data", "t_injected", "t_forward", "t_backward", "t_optimizer", "t_wait", "t_sync")
+
+
+def breakdown(runs: pd.DataFrame) -> pd.DataFrame:
+    """Median phase times per run (ms), with sync split into waiting for peers and the rest."""
+    ok = runs[runs["status"] == "ok"].copy()
+    cols = [c for c in PHASES if c in ok.columns]
+    frame = ok[["option", "world_size", "overrides", *cols]].copy()
+    if "t_wait" in frame.columns and "t_sync" in frame.columns:
+        frame["t_sync"] = (frame["t_sync"] - frame["t_wait"].fillna(0.0)).clip(lower=0.0)
+    for c in cols:
+        frame[c] = 1e3 * frame[c].fillna(0.0)
+    return frame.rename(columns={"t_sync": "t_transfer"})

@@ -1,0 +1,61 @@
+"""``report.md``: the tables behind the figures, in Markdown."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+SCALING_COLUMNS = {
+    "option": "sync", "world_size": "n", "repeats": "repeats", "throughput": "samples/s", "throughput_std": "± std",
+    "speedup": "speed-up", "efficiency": "efficiency", "efficiency_common": "efficiency (common n=1)",
+    "marginal_speedup": "marginal speed-up", "imbalance": "imbalance", "idle_fraction": "idle",
+}  # fmt: skip
+
+
+def markdown_table(frame: pd.DataFrame, columns: dict[str, str]) -> str:
+    cols = [c for c in columns if c in frame.columns]
+    lines = ["| " + " | ".join(columns[c] for c in cols) + " |", "|" + "---|" * len(cols)]
+    for _, row in frame.iterrows():
+        lines.append("| " + " | ".join(_cell(row[c]) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    if value is None or (isinstance(value, float) and pd.isna(value)):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 10 else f"{value:,.1f}"
+    return str(value)
+
+
+def write_report(
+    out: Path, sources: list[str], runs: pd.DataFrame, table: pd.DataFrame, figures: list[Path],
+    breakdown: pd.DataFrame,
+) -> Path:  # fmt: skip
+    failed = runs[runs["status"] != "ok"]
+    parts = [
+        "# Report",
+        "",
+        f"Sources: {', '.join(sources)}. {len(runs)} runs, {len(failed)} failed.",
+        "",
+        "Efficiency is X(n) / (n X(1)) against the single-worker runs of the same configuration; "
+        "'common n=1' uses the fastest single-worker run of the same setting under any synchronizer. "
+        "Marginal speed-up is the speed-up gained per worker added since the next smaller world size.",
+        "",
+        "## Scaling",
+        "",
+        markdown_table(table, SCALING_COLUMNS) if not table.empty else "No successful runs.",
+        "",
+        "## Per-step breakdown (median ms)",
+        "",
+        markdown_table(breakdown, {c: c.removeprefix("t_") for c in breakdown.columns if c != "overrides"}),
+        "",
+    ]
+    if not failed.empty:
+        parts += ["## Failed runs", "", markdown_table(failed, {"option": "sync", "world_size": "n", "source": "job"}), ""]
+    parts += ["## Figures", ""] + [f"- [{p.name}]({p.name})" for p in figures if p.suffix == ".png"] + [""]
+    path = out / "report.md"
+    path.write_text("\n".join(parts))
+    return path

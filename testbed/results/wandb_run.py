@@ -1,0 +1,79 @@
+"""Mirror a job to Weights & Biases: one W&B run per Hydra job, written by rank 0 only.
+
+The run starts after the process group and the parameter servers are up (so a failed start-up is
+not a W&B run) with ``group`` = the sweep, ``job_type`` = the synchronizer, a name from the job's
+overrides and ``config`` = the resolved config plus those overrides. Every step's record is logged against the
+``step`` key as it ends; ``summary.json``'s fields become the run summary. W&B is a mirror, never a
+dependency: if it fails or cannot reach its server, one warning is printed and training goes on.
+``wandb.mode=disabled`` (the default) does not even import it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+log = logging.getLogger("testbed")
+
+# Per-step fields worth a chart; absolute timestamps and the rank would only clutter the dashboard.
+_SKIP = {"rank", "t_sync_enter", "t_sync_exit"}
+
+
+class WandbRun:
+    """A W&B run for rank 0, or nothing (``mode=disabled``, other ranks, or after a failure)."""
+
+    def __init__(self, wandb_cfg: Any, plain_cfg: dict[str, Any], job_dir: Path, identity: dict[str, Any]) -> None:
+        self.run: Any = None
+        if wandb_cfg.mode == "disabled":
+            return
+        self._guard("start", self._start, wandb_cfg, plain_cfg, job_dir, identity)
+
+    def _start(self, wandb_cfg: Any, plain_cfg: dict[str, Any], job_dir: Path, identity: dict[str, Any]) -> None:
+        import wandb
+
+        self.run = wandb.init(
+            mode=wandb_cfg.mode,
+            project=wandb_cfg.project,
+            entity=wandb_cfg.entity,
+            group=wandb_cfg.group or identity["group"],
+            job_type=identity["job_type"],
+            name=identity["name"],
+            tags=list(wandb_cfg.tags),
+            # The overrides say which runs of a group share a configuration (analysis pairs them by it).
+            config={**plain_cfg, "overrides": list(identity["overrides"])},
+            dir=str(job_dir),
+            reinit="create_new",
+            settings=wandb.Settings(console="off", silent=True, init_timeout=float(wandb_cfg.init_timeout_s)),
+        )
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+
+    def _guard(self, what: str, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:  # W&B down, unreachable, misconfigured: the run goes on without it
+            log.warning("W&B %s failed, continuing without it: %s: %s", what, type(exc).__name__, exc)
+            self.run = None
+
+    def log_step(self, record: dict[str, Any]) -> None:
+        if self.run is not None:
+            metrics = {k: v for k, v in record.items() if k not in _SKIP and v is not None}
+            self._guard("log", self.run.log, metrics)
+
+    def finish(self, summary: Optional[dict[str, Any]]) -> None:
+        if self.run is None:
+            return
+        run = self.run
+        if summary is not None:
+            self._guard("summary", run.summary.update, summary_metrics(summary))
+        self._guard("finish", run.finish, 0 if summary is not None and summary.get("status") == "ok" else 1)
+        self.run = None
+
+
+def summary_metrics(summary: dict[str, Any]) -> dict[str, Any]:
+    """The scalar fields of summary.json, with phase medians as ``phases/<name>``."""
+    out = {k: v for k, v in summary.items() if isinstance(v, (int, float, str, bool)) or v is None}
+    for phase, spread in (summary.get("phases") or {}).items():
+        out[f"phases/{phase}"] = spread.get("median")
+    return out
