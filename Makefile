@@ -1,6 +1,8 @@
 # Two commands on a fresh machine:
-#   make demo   set up .venv, run the comparison sweep (sync x world_size), print the table
+#   make demo   set up .venv, run the comparison sweep (sync x world_size), print the table, draw
+#               its scaling figure and report under results/compare/<time>/analysis
 #   make test   set up .venv, run the test suite (what CI runs)
+# Figures: make figure PRESET=stragglers [ARGS="seed=0,1,2"]; make figures runs every preset.
 PYTHON ?= python3
 # torch==2.13.0 is a CPU build on the project's machines; CUDA users set TORCH_SPEC to their build.
 TORCH_SPEC ?= torch==2.13.0
@@ -8,7 +10,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench overhead clean
+PRESETS := compare scaling overlap buckets accumulation stragglers diminishing
+RUN_DIR = results/$(PRESET)/$(shell date +%Y-%m-%d_%H-%M-%S)
+
+.PHONY: setup demo figure figures test bench overhead clean
 
 setup: $(STAMP)
 
@@ -19,7 +24,16 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m testbed +experiment=compare launcher.echo_rank0=false
+	$(MAKE) --no-print-directory figure PRESET=compare
+
+figure: $(STAMP)
+	@test -n "$(PRESET)" || { echo "usage: make figure PRESET=<one of: $(PRESETS)> [ARGS=...]"; exit 2; }
+	$(eval DIR := $(RUN_DIR))
+	$(BIN)/python -m testbed +experiment=$(PRESET) launcher.echo_rank0=false hydra.sweep.dir=$(DIR) $(ARGS)
+	$(BIN)/python -m analysis $(DIR) --out $(DIR)/analysis
+
+figures: $(STAMP)
+	for p in $(PRESETS); do $(MAKE) --no-print-directory figure PRESET=$$p ARGS="$(ARGS)" || exit 1; done
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 WANDB_MODE=disabled $(BIN)/python -m pytest -q

@@ -42,9 +42,12 @@ def scaling(table: pd.DataFrame, out: Path) -> list[Path]:
     fig, (ax_e, ax_x) = plt.subplots(1, 2, figsize=(10, 4))
     for label, g in _series(table):
         ax_e.errorbar(g["world_size"], g["efficiency"], yerr=g["efficiency_std"], marker="o", capsize=3, label=label)
-        ax_x.errorbar(g["world_size"], g["throughput"], yerr=g["throughput_std"], marker="o", capsize=3, label=label)
+        line = ax_x.errorbar(g["world_size"], g["throughput"], yerr=g["throughput_std"], marker="o", capsize=3, label=label)
+        single = g[g["world_size"] == 1]["throughput"]
+        if not single.empty:  # the ideal: n times the single worker
+            ax_x.plot(g["world_size"], g["world_size"] * single.iloc[0], ":", color=line[0].get_color(), lw=1)
     ax_e.set(xlabel="workers", ylabel="scaling efficiency X(n) / (n X(1))", ylim=(0, None))
-    ax_x.set(xlabel="workers", ylabel="throughput (samples/s)", ylim=(0, None))
+    ax_x.set(xlabel="workers", ylabel="throughput (samples/s); dotted: n X(1)", ylim=(0, None))
     for ax in (ax_e, ax_x):
         ax.set_xticks(sorted(table["world_size"].unique()))
         ax.grid(alpha=0.3)

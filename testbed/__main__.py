@@ -11,6 +11,7 @@ import hydra
 from omegaconf import DictConfig
 
 from testbed.config import ConfigError
+from testbed.launch.callbacks import SWEEP_JOBS_ENV
 from testbed.launch.existing import surrounding_world
 from testbed.launch.job import run_job
 from testbed.paths import config_dir
@@ -25,7 +26,7 @@ def main(cfg: DictConfig) -> Optional[dict[str, Any]]:
 def cli() -> None:
     """Entry point: check every job of the command line, then hand over to Hydra."""
     try:
-        check_command_line(sys.argv[1:])
+        os.environ[SWEEP_JOBS_ENV] = str(check_command_line(sys.argv[1:]))  # for the sweep's progress line
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         sys.exit(2)

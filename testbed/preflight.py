@@ -49,10 +49,11 @@ def _configured_sweep(overrides: list[str]) -> list[str]:
     return [f"{key}={value}" for key, value in params.items() if key not in given]
 
 
-def check_command_line(argv: list[str]) -> None:
-    """Raise ConfigError for the first job of ``argv`` that cannot run."""
+def check_command_line(argv: list[str]) -> int:
+    """Raise ConfigError for the first job of ``argv`` that cannot run; return how many jobs it has
+    (0 when it cannot tell)."""
     if any(a.split("=")[0] in _SKIP_FLAGS for a in argv):
-        return
+        return 0
     overrides = [a for a in argv if not a.startswith("-") and not a.lstrip("+~").startswith("hydra")]
     joined = surrounding_world()
     local = joined[3] if joined else None  # ranks on this machine; the rest run elsewhere
@@ -60,13 +61,14 @@ def check_command_line(argv: list[str]) -> None:
         try:
             points = sweep_points(overrides + _configured_sweep(overrides))
         except HydraException:
-            return  # a sweep syntax the basic sweeper does not expand; Hydra reports or runs it
+            return 0  # a sweep syntax the basic sweeper does not expand; Hydra reports or runs it
         for point in points:
             try:
                 cfg = compose(config_name="config", overrides=point)
             except (HydraException, OmegaConfBaseException) as exc:
                 raise ConfigError(describe_composition_error(exc)) from None
             validate(cfg, local_world_size=local)
+    return len(points)
 
 
 def describe_composition_error(exc: BaseException) -> str:

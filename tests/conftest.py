@@ -21,15 +21,24 @@ def cli_env() -> dict[str, str]:
     return env
 
 
-def run_cli(args: list[str], cwd: Path, timeout: float = 300, module: str = "testbed") -> subprocess.CompletedProcess:
+def run_cli(
+    args: list[str], cwd: Path, timeout: float = 300, module: str = "testbed", env: dict[str, str | None] | None = None
+) -> subprocess.CompletedProcess:
     """``python -m testbed <args>`` as a user would type it; output captured.
 
     Runs pin ``device=cpu`` unless they name a device, so the CPU suite means the same on a GPU machine.
+    ``env`` changes the environment (None removes a variable).
     """
     if module == "testbed" and not any(a.startswith(("device=", "--")) for a in args):
         args = [*args, "device=cpu"]
+    environ = cli_env()
+    for key, value in (env or {}).items():
+        if value is None:
+            environ.pop(key, None)
+        else:
+            environ[key] = value
     return subprocess.run(
-        [sys.executable, "-m", module, *args], cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", module, *args], cwd=cwd, env=environ, capture_output=True, text=True, timeout=timeout
     )
 
 

@@ -105,3 +105,17 @@ def test_derived_batch_sizes() -> None:
 def test_cpu_defaults_resolve_to_gloo() -> None:
     cfg = composed(["device=cpu"])
     assert config.resolved_device(cfg) == "cpu" and config.resolved_backend(cfg) == "gloo"
+
+
+PRESETS = sorted(p.stem for p in (Path(config_dir()) / "experiment").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_composes_and_validates_every_point(preset: str) -> None:
+    text = (Path(config_dir()) / "experiment" / f"{preset}.yaml").read_text()
+    assert text.startswith("# @package _global_") and f"python -m testbed +experiment={preset}" in text
+    try:
+        check_command_line([f"+experiment={preset}"])  # composes every point of its sweep and validates it
+    except ConfigError as exc:
+        # Presets on emulated links need root and iproute2; that is the only complaint allowed.
+        assert "network=emulated" in str(exc) and ("root" in str(exc) or "iproute2" in str(exc)), exc

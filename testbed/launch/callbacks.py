@@ -1,7 +1,10 @@
-"""Hydra callback: after a multirun, the comparison table on the console and in the sweep dir."""
+"""Hydra callback of a multirun: a progress line as each job starts; at the end, the comparison
+table on the console and in the sweep dir."""
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,23 @@ def write_sweep_table(sweep_dir: Path) -> str:
     return format_table(rows)
 
 
+SWEEP_JOBS_ENV = "TESTBED_SWEEP_JOBS"  # jobs in the sweep, counted by the preflight check
+
+
 class SweepTable(Callback):
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.started = time.monotonic()
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        started = getattr(self, "started", None)
+        if started is None:  # a single run: no sweep to report on
+            return
+        done, total = int(config.hydra.job.num), int(os.environ.get(SWEEP_JOBS_ENV) or 0)
+        elapsed = time.monotonic() - started
+        eta = f", eta {elapsed / done * (total - done):.0f}s" if done and total else ""
+        of = f"/{total}" if total else ""
+        print(f"[sweep {done + 1}{of}] {config.hydra.job.override_dirname}  (elapsed {elapsed:.0f}s{eta})", flush=True)
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         if sweep_dir.is_dir():

@@ -1,0 +1,82 @@
+"""Analysis on a real sweep: figures and a report whose numbers match a hand computation."""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import cli_env, read_json, read_jsonl, run_cli
+
+from analysis.load import load_local
+from analysis.metrics import aggregate
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("analysis")
+    out = root / "sweep"
+    # Two repeats (seeds) of allreduce and ring at 1 and 2 workers: error bars and baselines.
+    proc = run_cli(["-m", "sync=allreduce,ring", "world_size=1,2", "seed=0,1", "steps=8", "warmup_steps=2",
+                    "launcher.echo_rank0=false", f"hydra.sweep.dir={out}"], cwd=root, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def throughput_by_hand(job: Path) -> float:
+    """Σ over ranks of samples per step / the rank's median step time, warm-up excluded."""
+    warmup = read_json(job / "summary.json")["warmup_steps"]
+    total = 0.0
+    for path in sorted((job / "metrics").glob("rank*.jsonl")):
+        records = read_jsonl(path)[warmup:]
+        total += records[0]["samples"] / statistics.median(r["t_step"] for r in records)
+    return total
+
+
+def test_report_efficiency_matches_the_jsonl(sweep: Path) -> None:
+    out = sweep / "figures"
+    proc = subprocess.run([sys.executable, "-m", "analysis", str(sweep), "--out", str(out)],
+                          capture_output=True, text=True, env=cli_env(), timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("scaling", "diminishing_returns", "breakdown"):
+        for suffix in (".png", ".pdf"):
+            assert (out / f"{name}{suffix}").stat().st_size > 1000, name
+    by_hand: dict[tuple[str, int], list[float]] = {}
+    for summary_path in sweep.glob("*/summary.json"):
+        summary = read_json(summary_path)
+        by_hand.setdefault((summary["sync"], summary["world_size"]), []).append(throughput_by_hand(summary_path.parent))
+    report = (out / "report.md").read_text()
+    for sync in ("allreduce", "ring"):
+        assert len(by_hand[(sync, 2)]) == 2  # both repeats found
+        efficiency = statistics.fmean(by_hand[(sync, 2)]) / (2 * statistics.fmean(by_hand[(sync, 1)]))
+        row = next(line for line in report.splitlines() if line.startswith(f"| {sync} | 2 | 2 |"))
+        assert float(row.split("|")[7]) == pytest.approx(efficiency, abs=1.5e-3), row
+
+
+def test_repeats_give_a_spread_and_marginal_speedup(sweep: Path) -> None:
+    runs, steps = load_local([sweep])
+    assert len(runs) == 8 and set(steps["rank"]) == {0, 1}
+    table = aggregate(runs)
+    assert set(table["repeats"]) == {2}
+    assert (table["throughput_std"] > 0).all()  # two seeds never time exactly alike
+    two = table[table["world_size"] == 2].set_index("option")
+    assert two["marginal_speedup"].to_dict() == pytest.approx((two["speedup"] - 1.0).to_dict())
+
+
+def test_the_demo_preset_runs_end_to_end_and_draws_its_figure(tmp_path: Path) -> None:
+    # make demo's sweep (every synchronizer, parameter server included, at 1, 2 and 4 workers), shortened.
+    sweep = tmp_path / "compare"
+    proc = run_cli(["+experiment=compare", "steps=10", "warmup_steps=2", "launcher.echo_rank0=false",
+                    f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[sweep 15/15]" in proc.stdout  # the sweep's progress line
+    summaries = [read_json(p) for p in sweep.glob("*/summary.json")]
+    assert len(summaries) == 15 and all(s["status"] == "ok" for s in summaries)
+    proc = subprocess.run([sys.executable, "-m", "analysis", str(sweep)], capture_output=True, text=True,
+                          env=cli_env(), timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (sweep / "analysis" / "scaling.png").exists() and (sweep / "analysis" / "scaling.pdf").exists()
+    report = (sweep / "analysis" / "report.md").read_text()
+    assert all(f"| {sync} | 4 |" in report for sync in ("none", "allreduce", "ring", "tree", "ps"))
