@@ -28,7 +28,6 @@ from testbed.netem import enter_rank_namespace
 from testbed.optim import build_optimizer
 from testbed.results.step_log import StepLog, metrics_path
 from testbed.results.summary import summarize, write_summary
-from testbed.results.table import sync_label
 from testbed.results.wandb_run import WandbRun
 from testbed.sync import build_synchronizer
 from testbed.timing import fill_wait_from_latest
@@ -39,7 +38,7 @@ log = logging.getLogger("testbed")
 
 
 @record
-def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
+def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any]) -> Optional[dict[str, Any]]:
     """Train one rank; rank 0 writes summary.json and model_final.pt and returns the summary.
 
     ``identity`` names the job for W&B: ``name``, ``group``, ``job_type`` and its ``overrides``.
@@ -68,7 +67,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: Optional[dict[s
         optimizer = build_optimizer(cfg.optim, model.parameters())
         sync.setup(model, optimizer, world)
         if world.is_main:  # the process group and the parameter servers are up
-            tracker = WandbRun(cfg.wandb, plain_cfg, Path(job_dir), identity or job_identity(plain_cfg, job_dir))
+            tracker = WandbRun(cfg.wandb, plain_cfg, Path(job_dir), identity)
         step_log = StepLog(metrics_path(Path(job_dir), world.rank))
         trainer = Trainer(
             optimizer, sync, batches, world, step_log, cfg.steps,
@@ -116,12 +115,6 @@ def _finish(
     summary = summarize(plain_cfg, [g[0] for g in gathered], [g[1] for g in gathered], sync.describe())
     write_summary(job_dir, summary)
     return summary
-
-
-def job_identity(plain_cfg: dict[str, Any], job_dir: str) -> dict[str, Any]:
-    """W&B identity of a job launched without one: its directory names it and its group."""
-    name = Path(job_dir).name
-    return {"name": name, "group": str(Path(job_dir).parent), "job_type": str(sync_label(plain_cfg)), "overrides": []}
 
 
 def param_hash(model: torch.nn.Module) -> str:
