@@ -30,9 +30,9 @@ def _series(table: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     groups = list(table.groupby("config_key", dropna=False))
     names = [str(group["option"].iloc[0]) for _, group in groups]
     out = []
-    for name, (key, group) in zip(names, groups):
-        rest = ",".join(o for o in str(key).split(",") if o and not o.startswith(("sync=", "+experiment")))
-        label = f"{name} ({rest})" if names.count(name) > 1 and rest else name
+    for name, (_, group) in zip(names, groups):
+        setting = str(group["setting"].iloc[0])
+        label = f"{name} ({setting})" if names.count(name) > 1 and setting else name
         out.append((label, group.sort_values("world_size")))
     return sorted(out, key=lambda item: item[0])
 

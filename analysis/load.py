@@ -23,6 +23,8 @@ SUMMARY_COLUMNS = (
 )  # fmt: skip
 # Overrides that vary within one configuration: the worker count and the repeat's seed.
 VARYING = ("world_size=", "seed=")
+# Overrides that do not describe the experiment (where it ran, how it logs) or that a label shows anyway.
+QUIET = ("sync=", "+experiment=", "device=", "launcher.", "hydra.", "wandb.")
 
 
 def run_row(summary: dict[str, Any], overrides: list[str], source: str) -> dict[str, Any]:
@@ -35,6 +37,8 @@ def run_row(summary: dict[str, Any], overrides: list[str], source: str) -> dict[
     # The sync option as chosen (ps_sharded), which the per-run label (ps-sync k=4) does not keep.
     row["option"] = next((o.split("=", 1)[1] for o in overrides if o.startswith("sync=")), row["sync"])
     row["config_key"] = ",".join(sorted(o for o in overrides if not o.startswith(VARYING)))
+    # What sets the run apart besides its synchronizer and size, for tables and legends.
+    row["setting"] = ",".join(o for o in sorted(overrides) if not o.startswith((*VARYING, *QUIET)))
     # A configuration's setting without its synchronizer: runs that differ only there are compared.
     row["setting_key"] = ",".join(sorted(o for o in overrides if not o.startswith((*VARYING, "sync="))))
     for override in overrides:

@@ -22,7 +22,7 @@ def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
     ok = runs[runs["status"] == "ok"]
     if ok.empty:
         return pd.DataFrame()
-    keys = ["config_key", "setting_key", "option", "world_size"]
+    keys = ["config_key", "setting_key", "option", "setting", "world_size"]
     grouped = ok.groupby(keys, dropna=False)
     table = grouped[list(MEASURES)].mean()
     table["throughput_std"] = grouped["throughput"].std().fillna(0.0)
@@ -70,8 +70,8 @@ def swept_keys(runs: pd.DataFrame) -> list[str]:
     for column in runs.columns:
         if not column.startswith("set:") or column in ("set:sync", "set:world_size", "set:seed"):
             continue
-        values = runs[column].dropna().unique()
-        if len(values) > 1 and all(isinstance(v, (int, float)) for v in values):
+        values = runs[column].dropna()
+        if values.nunique() > 1 and pd.api.types.is_numeric_dtype(values):
             keys.append(column)
     return keys
 

@@ -8,7 +8,7 @@ from typing import Any
 import pandas as pd
 
 SCALING_COLUMNS = {
-    "option": "sync", "world_size": "n", "repeats": "repeats", "throughput": "samples/s", "throughput_std": "± std",
+    "option": "sync", "setting": "setting", "world_size": "n", "repeats": "repeats", "throughput": "samples/s", "throughput_std": "± std",
     "speedup": "speed-up", "efficiency": "efficiency", "efficiency_common": "efficiency (common n=1)",
     "marginal_speedup": "marginal speed-up", "imbalance": "imbalance", "idle_fraction": "idle",
 }  # fmt: skip
