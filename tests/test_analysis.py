@@ -26,12 +26,12 @@ def sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def throughput_by_hand(job: Path) -> float:
-    """Σ over ranks of samples per step / the rank's median step time, warm-up excluded."""
+    """Σ over ranks of samples per step / the rank's mean step time, warm-up excluded."""
     warmup = read_json(job / "summary.json")["warmup_steps"]
     total = 0.0
     for path in sorted((job / "metrics").glob("rank*.jsonl")):
         records = read_jsonl(path)[warmup:]
-        total += records[0]["samples"] / statistics.median(r["t_step"] for r in records)
+        total += records[0]["samples"] / statistics.fmean(r["t_step"] for r in records)
     return total
 
 

@@ -90,14 +90,17 @@ def summarize(
     by_step = [{r["step"]: r for r in recs} for recs in records_by_rank]
     rows = [[ranks[s] for ranks in by_step] for s in steady]  # rows[step][rank]
 
-    # A step lasts as long as its slowest rank. Throughput sums each rank's own pace (its samples
-    # over its median step): in lockstep that is the global batch over the median step, and it
-    # stays right when ranks do not wait for each other (asynchronous and bounded-staleness PS).
+    # A step lasts as long as its slowest rank. Throughput sums each rank's own pace, its samples
+    # per step over its mean step: samples per second of wall time, which stays right when ranks do
+    # not wait for each other (asynchronous and bounded-staleness PS) and counts communication
+    # that happens only every few steps (local SGD), which a median step would leave out.
     step_times = [max(r["t_step"] for r in row) for row in rows]
     global_batch = config.global_batch(OmegaConf.create(cfg))
     step_time = percentile(step_times, 50)
-    paces = [(row_r[0]["samples"], percentile([r["t_step"] for r in row_r], 50)) for row_r in zip(*rows)]
-    throughput = sum(samples / pace for samples, pace in paces if pace) if paces else None
+    per_rank_steps = [(row_r[0]["samples"], [r["t_step"] for r in row_r]) for row_r in zip(*rows)]
+
+    def paced(average: Any) -> Optional[float]:
+        return sum(samples / average(times) for samples, times in per_rank_steps) if per_rank_steps else None
     summary: dict[str, Any] = {
         "status": status,
         "error": error,
@@ -107,8 +110,8 @@ def summarize(
         "steps_configured": int(cfg["steps"]),
         "warmup_steps": warmup,
         "global_batch": global_batch,
-        "throughput": throughput,
-        "throughput_mean": (global_batch * len(rows) / sum(step_times)) if step_times else None,
+        "throughput": paced(statistics.fmean),
+        "throughput_median": paced(statistics.median),  # robust to stray slow steps, blind to periodic ones
         "step_time": step_time,
         "step_time_p10": percentile(step_times, 10),
         "step_time_p90": percentile(step_times, 90),
