@@ -511,13 +511,18 @@ def _validate_imbalance(cfg: DictConfig) -> None:
 def _validate_network(cfg: DictConfig) -> None:
     if cfg.network.name != "emulated":
         return
-    from testbed.netem import NetworkUnavailable, check_available, parse_rate  # iproute2 only matters here
+    from testbed.netem.links import MAX_ENDPOINTS, NetworkUnavailable, check_available, parse_rate
 
     try:
         parse_rate(cfg.network.bandwidth)
     except ValueError as exc:
         raise ConfigError(f"network.bandwidth={cfg.network.bandwidth}: {exc}") from None
     _require(cfg.network.latency_ms >= 0, f"network.latency_ms={cfg.network.latency_ms}: must be >= 0")
+    endpoints = int(cfg.world_size) + (int(cfg.sync.servers) if cfg.sync.name == "ps" else 0)
+    _require(
+        endpoints <= MAX_ENDPOINTS,
+        f"network=emulated: {endpoints} ranks and servers exceed the {MAX_ENDPOINTS} addresses of its /24; use fewer",
+    )
     _require(
         resolved_backend(cfg) == "gloo",
         "network=emulated shapes TCP links between hosts: use backend=gloo (device=cpu)",

@@ -97,7 +97,6 @@ def remove_leftovers(everything: bool = False) -> list[str]:
 
 @dataclass(frozen=True)
 class Endpoint:
-    name: str  # r0, r1, ... for ranks; s0, ... for servers
     namespace: str
     address: str
 
@@ -112,9 +111,8 @@ class EmulatedNetwork:
         self.bandwidth, self.latency_ms = bandwidth, latency_ms
         self.prefix = f"tb{os.getpid()}n{next(_sequence)}"
         self.switch = f"{self.prefix}-sw"
-        self.endpoints = {
-            e: Endpoint(e, f"{self.prefix}-{e}", f"{SUBNET}.{i + 2}") for i, e in enumerate(endpoints)
-        }
+        # Keys: r0, r1, ... for ranks; s0, s1, ... for parameter-server shards.
+        self.endpoints = {e: Endpoint(f"{self.prefix}-{e}", f"{SUBNET}.{i + 2}") for i, e in enumerate(endpoints)}
         self._created: list[str] = []
 
     def __enter__(self) -> "EmulatedNetwork":
