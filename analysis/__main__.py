@@ -1,8 +1,11 @@
-"""``python -m analysis <sweep or job dirs ... | wandb:entity/project/group> [--out DIR]``
+"""``python -m analysis <sweep or job dirs ... | wandb:entity/project/group | bench JSON ...> [--out DIR]``
 
 Loads the runs, prints the comparison table, and writes figures (PNG and PDF) and ``report.md``:
 scaling efficiency and throughput against workers, speed-up and marginal speed-up (diminishing
-returns), step time against every other swept override, and the per-step time breakdown.
+returns), step time, idle fraction and time to a target loss against every other swept override,
+loss against wall-clock time, and the per-step time breakdown. Given the JSON records of
+``python -m testbed.bench`` (and ``testbed.bench.ps``), it draws the collective benchmark (figure 2)
+with the alpha-beta fits the simulator uses.
 """
 
 from __future__ import annotations
@@ -11,23 +14,30 @@ import argparse
 import sys
 from pathlib import Path
 
-from analysis import figures
+from analysis import collectives, figures
 from analysis.load import load
-from analysis.metrics import aggregate, aggregate_by, breakdown, swept_keys
+from analysis.metrics import aggregate, aggregate_by, breakdown, loss_curves, swept_keys, time_to_target
 from analysis.report import write_report
 from testbed.results.summary import load_summaries
 from testbed.results.table import comparison_rows, format_table, write_csv
+from testbed.sim.calibrate import load_records
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m analysis", description=__doc__.splitlines()[0])
-    parser.add_argument("sources", nargs="+", help="sweep or job directories (searched recursively), or wandb:entity/project/group")
+    parser.add_argument("sources", nargs="+", help="sweep or job directories (searched recursively), wandb:entity/project/group, or benchmark JSON files")
     parser.add_argument("--out", type=Path, help="where figures and report.md go (default: <first dir>/analysis)")
     parser.add_argument("--csv", type=Path, help="also write the comparison table as CSV")
+    parser.add_argument("--target-loss", type=float, help="loss for time-to-target (default: the worst final loss among the runs)")
     args = parser.parse_args(argv)
+    bench = [s for s in args.sources if s.endswith(".json")]
+    if bench:
+        if len(bench) != len(args.sources):
+            parser.error("sources: give either benchmark JSON files or run directories, not both")
+        return _bench(bench, args.out or Path(bench[0]).with_suffix(""))
     local = [Path(s) for s in args.sources if not s.startswith("wandb:")]
     try:
-        runs, _ = load(args.sources)
+        runs, steps = load(args.sources)
         summaries = load_summaries(local)
     except FileNotFoundError as exc:
         parser.error(str(exc))
@@ -42,7 +52,12 @@ def main(argv: list[str] | None = None) -> int:
 
     out = args.out or (local[0] / "analysis" if local else Path("analysis-out"))
     table = aggregate(runs)
+    curves = loss_curves(runs, steps)
+    times, target = time_to_target(curves, args.target_loss)
+    runs["time_to_target"] = runs["source"].map(times)
     written: list[Path] = []
+    if not curves.empty:
+        written += figures.convergence(curves, target, out)
     if not table.empty:
         if table["world_size"].nunique() > 1:
             written += figures.scaling(table, out)
@@ -52,8 +67,18 @@ def main(argv: list[str] | None = None) -> int:
             by_key = aggregate_by(ok, key)
             written += figures.versus(by_key, key, out)
         written += figures.step_breakdown(runs, out)
-    report = write_report(out, args.sources, runs, table, written, breakdown(runs))
+    report = write_report(out, args.sources, runs, table, written, breakdown(runs), target)
     print(f"\nfigures and report: {out} ({len(written)} files, {report.name})")
+    return 0
+
+
+def _bench(paths: list[str], out: Path) -> int:
+    """Figure 2 and the alpha-beta fits from collective/PS benchmark records."""
+    records = load_records(paths)
+    written, section = collectives.analyse(records, out)
+    (out / "report.md").write_text(f"# Collective benchmark\n\nSources: {', '.join(paths)}.\n\n{section}")
+    print(section)
+    print(f"figures and report: {out} ({len(written)} files, report.md)")
     return 0
 
 

@@ -73,21 +73,45 @@ def diminishing_returns(table: pd.DataFrame, out: Path) -> list[Path]:
     return _save(fig, out, "diminishing_returns")
 
 
+PANELS = {  # measure: (axis label, scale to display units)
+    "step_time": ("step time (ms)", 1e3),
+    "throughput": ("throughput (samples/s)", 1.0),
+    "idle_fraction": ("idle fraction (waiting for peers)", 1.0),
+    "time_to_target": ("time to target loss (s)", 1.0),
+}
+
+
 def versus(table: pd.DataFrame, key: str, out: Path) -> list[Path]:
-    """Step time and throughput against a swept override (bucket size, accumulation, slowdown, ...)."""
+    """Step time and throughput against a swept override (bucket size, accumulation, slowdown, ...),
+    plus idle fraction and time to the target loss where the runs differ in them."""
     name = key.removeprefix("set:")
-    fig, (ax_t, ax_x) = plt.subplots(1, 2, figsize=(10, 4))
+    measures = [m for m in PANELS if m in table.columns and (m in ("step_time", "throughput") or table[m].abs().sum() > 0)]
+    fig, axes = plt.subplots(1, len(measures), figsize=(5 * len(measures), 4))
     for (sync, n), g in table.groupby(["option", "world_size"]):
         g = g.sort_values(key)
-        label = f"{sync}, n={n}"
-        ax_t.errorbar(g[key], 1e3 * g["step_time"], yerr=1e3 * g["step_time_std"], marker="o", capsize=3, label=label)
-        ax_x.errorbar(g[key], g["throughput"], yerr=g["throughput_std"], marker="o", capsize=3, label=label)
-    ax_t.set(xlabel=name, ylabel="step time (ms)", ylim=(0, None))
-    ax_x.set(xlabel=name, ylabel="throughput (samples/s)", ylim=(0, None))
-    for ax in (ax_t, ax_x):
+        for ax, m in zip(axes, measures):
+            scale = PANELS[m][1]
+            ax.errorbar(g[key], scale * g[m], yerr=scale * g[f"{m}_std"], marker="o", capsize=3, label=f"{sync}, n={n}")
+    for ax, m in zip(axes, measures):
+        ax.set(xlabel=name, ylabel=PANELS[m][0], ylim=(0, None))
         ax.grid(alpha=0.3)
-    ax_t.legend(fontsize=8)
+    axes[0].legend(fontsize=8)
     return _save(fig, out, f"vs_{name.replace('.', '_')}")
+
+
+def convergence(curves: pd.DataFrame, target: float, out: Path) -> list[Path]:
+    """Figures 6 and 7: rank 0's smoothed loss against wall-clock time, one line per run, at the
+    largest world size of the sweep; the dashed line is the target of the time-to-target measure."""
+    n = curves["world_size"].max()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for source, g in curves[curves["world_size"] == n].groupby("source"):
+        label = f"{g['option'].iloc[0]} {g['setting'].iloc[0]}".strip()
+        ax.plot(g["time"], g["smoothed"], lw=1.2, label=label)
+    ax.axhline(target, color="k", ls="--", lw=0.8, label=f"target {target:.3g}")
+    ax.set(xlabel="wall-clock time (s)", ylabel="training loss (rank 0, smoothed)", title=f"n = {n}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    return _save(fig, out, "loss_vs_time")
 
 
 def step_breakdown(runs: pd.DataFrame, out: Path) -> list[Path]:

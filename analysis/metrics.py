@@ -15,6 +15,8 @@ from __future__ import annotations
 import pandas as pd
 
 MEASURES = ("throughput", "step_time", "imbalance", "idle_fraction")
+# Measures against a swept override (figures 4-7), where the runs have them.
+VERSUS = ("step_time", "throughput", "idle_fraction", "time_to_target")
 
 
 def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
@@ -57,10 +59,11 @@ def _marginal(table: pd.DataFrame) -> pd.Series:
 
 def aggregate_by(runs: pd.DataFrame, key: str) -> pd.DataFrame:
     """Means and spread over repeats per (sync, world_size, value of the swept override ``key``)."""
+    measures = [m for m in VERSUS if m in runs.columns]
     grouped = runs.groupby(["option", "world_size", key], dropna=False)
-    table = grouped[["throughput", "step_time"]].mean()
-    table["throughput_std"] = grouped["throughput"].std().fillna(0.0)
-    table["step_time_std"] = grouped["step_time"].std().fillna(0.0)
+    table = grouped[measures].mean()
+    for m in measures:
+        table[f"{m}_std"] = grouped[m].std().fillna(0.0)
     return table.reset_index()
 
 
@@ -89,3 +92,39 @@ def breakdown(runs: pd.DataFrame) -> pd.DataFrame:
     for c in cols:
         frame[c] = 1e3 * frame[c].fillna(0.0)
     return frame.rename(columns={"t_sync": "t_transfer"})
+
+
+def loss_curves(runs: pd.DataFrame, steps: pd.DataFrame, window: int = 5) -> pd.DataFrame:
+    """Rank 0's loss against wall-clock time since the run started, one row per step.
+
+    ``time`` is the sum of rank 0's step times (warm-up included: it is time the run spent);
+    ``smoothed`` is a trailing mean over ``window`` steps, since a mini-batch loss is noisy.
+    """
+    if steps.empty or "loss" not in steps.columns:
+        return pd.DataFrame()
+    ok = runs[runs["status"] == "ok"].set_index("source")
+    rank0 = steps[(steps["rank"] == 0) & steps["source"].isin(ok.index)].sort_values(["source", "step"])
+    frames = []
+    for source, g in rank0.groupby("source"):
+        run = ok.loc[source]
+        frames.append(pd.DataFrame({
+            "source": source, "option": run["option"], "setting": run["setting"], "world_size": run["world_size"],
+            "step": g["step"].to_numpy(), "time": g["t_step"].cumsum().to_numpy(), "loss": g["loss"].to_numpy(),
+            "smoothed": g["loss"].rolling(window, min_periods=1).mean().to_numpy(),
+        }))  # fmt: skip
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def time_to_target(curves: pd.DataFrame, target: float | None = None) -> tuple[pd.Series, float]:
+    """(seconds until each run's smoothed loss first reaches ``target``, the target used).
+
+    The default target is the highest final smoothed loss among the runs, the best loss every run
+    reached, so each run has a time; a run that never reaches a given target gets NaN.
+    """
+    if curves.empty:
+        return pd.Series(dtype=float), float("nan")
+    if target is None:
+        target = float(curves.groupby("source")["smoothed"].last().max())
+    reached = curves[curves["smoothed"] <= target]
+    times = reached.groupby("source")["time"].min()
+    return times.reindex(curves["source"].unique()), target

@@ -32,7 +32,7 @@ def _cell(value: Any) -> str:
 
 def write_report(
     out: Path, sources: list[str], runs: pd.DataFrame, table: pd.DataFrame, figures: list[Path],
-    breakdown: pd.DataFrame,
+    breakdown: pd.DataFrame, target_loss: float,
 ) -> Path:  # fmt: skip
     failed = runs[runs["status"] != "ok"]
     parts = [
@@ -53,6 +53,15 @@ def write_report(
         markdown_table(breakdown, {c: c.removeprefix("t_") for c in breakdown.columns if c != "overrides"}),
         "",
     ]
+    if "time_to_target" in runs.columns and runs["time_to_target"].notna().any():
+        ok = runs[runs["status"] == "ok"].sort_values(["option", "setting", "world_size"])
+        parts += [
+            f"## Time to a target loss ({target_loss:.4g}, rank 0's loss averaged over 5 steps)",
+            "",
+            markdown_table(ok, {"option": "sync", "setting": "setting", "world_size": "n", "seed": "seed",
+                                "time_to_target": "seconds", "final_loss": "final loss"}),  # fmt: skip
+            "",
+        ]
     if not failed.empty:
         parts += ["## Failed runs", "", markdown_table(failed, {"option": "sync", "world_size": "n", "source": "job"}), ""]
     parts += ["## Figures", ""] + [f"- [{p.name}]({p.name})" for p in figures if p.suffix == ".png"] + [""]

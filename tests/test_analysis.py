@@ -11,7 +11,7 @@ import pytest
 from conftest import cli_env, read_json, read_jsonl, run_cli
 
 from analysis.load import load_local
-from analysis.metrics import aggregate
+from analysis.metrics import aggregate, loss_curves, time_to_target
 
 
 @pytest.fixture(scope="module")
@@ -40,14 +40,15 @@ def test_report_efficiency_matches_the_jsonl(sweep: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "analysis", str(sweep), "--out", str(out)],
                           capture_output=True, text=True, env=cli_env(), timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for name in ("scaling", "diminishing_returns", "breakdown"):
+    for name in ("scaling", "diminishing_returns", "breakdown", "loss_vs_time"):
         for suffix in (".png", ".pdf"):
             assert (out / f"{name}{suffix}").stat().st_size > 1000, name
     by_hand: dict[tuple[str, int], list[float]] = {}
     for summary_path in sweep.glob("*/summary.json"):
         summary = read_json(summary_path)
         by_hand.setdefault((summary["sync"], summary["world_size"]), []).append(throughput_by_hand(summary_path.parent))
-    lines = (out / "report.md").read_text().splitlines()
+    report = (out / "report.md").read_text()
+    lines = report.split("## Scaling", 1)[1].split("\n## ", 1)[0].splitlines()
     header = next(line for line in lines if line.startswith("| sync |"))
     columns = [c.strip() for c in header.split("|")]
     for sync in ("allreduce", "ring"):
@@ -67,6 +68,26 @@ def test_repeats_give_a_spread_and_marginal_speedup(sweep: Path) -> None:
     assert (table["throughput_std"] > 0).all()  # two seeds never time exactly alike
     two = table[table["world_size"] == 2].set_index("option")
     assert two["marginal_speedup"].to_dict() == pytest.approx((two["speedup"] - 1.0).to_dict())
+
+
+def test_time_to_target_loss_matches_the_jsonl(sweep: Path) -> None:
+    runs, steps = load_local([sweep])
+    curves = loss_curves(runs, steps)
+    times, target = time_to_target(curves)
+    finals = {}
+    for job in sweep.glob("*/summary.json"):
+        records = read_jsonl(job.parent / "metrics" / "rank0.jsonl")
+        smoothed = [statistics.fmean(r["loss"] for r in records[max(0, i - 4) : i + 1]) for i in range(len(records))]
+        elapsed = [sum(r["t_step"] for r in records[: i + 1]) for i in range(len(records))]
+        finals[str(job.parent)] = (smoothed, elapsed)
+    # The default target is the worst final smoothed loss, which every run reaches.
+    assert target == pytest.approx(max(s[-1] for s, _ in finals.values()))
+    assert times.notna().all() and len(times) == 8
+    for source, (smoothed, elapsed) in finals.items():
+        first = next(i for i, value in enumerate(smoothed) if value <= target + 1e-12)
+        assert times[source] == pytest.approx(elapsed[first]), source
+    lower, _ = time_to_target(curves, target=min(min(s) for s, _ in finals.values()) - 1.0)
+    assert lower.isna().all()  # a target nobody reached gives no time, not a wrong one
 
 
 def test_the_demo_preset_runs_end_to_end_and_draws_its_figure(tmp_path: Path) -> None:

@@ -23,6 +23,16 @@ def test_benchmark_records_and_table(tmp_path: Path) -> None:
         assert 0 < r["time_min_s"] <= r["time_s"] and r["iters"] == 2
     assert "ring/native" in proc.stdout and "tree/native" in proc.stdout
 
+    # Figure 2 and the alpha-beta fits from these records.
+    figures = tmp_path / "fig2"
+    proc = run_cli([str(out), "--out", str(figures)], cwd=tmp_path, module="analysis")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (figures / "collectives.png").stat().st_size > 1000 and (figures / "collectives.pdf").exists()
+    report = (figures / "report.md").read_text()
+    for impl in ("native", "ring", "tree"):  # one fit per impl over its 4 (n, size) points
+        (row,) = [line for line in report.splitlines() if line.startswith(f"| loopback | {impl} |")]
+        assert row.rstrip(" |").endswith("| 4"), row
+
 
 def test_benchmark_rejects_unknown_impl(tmp_path: Path) -> None:
     proc = run_cli(["--impls", "ring,bogus"], cwd=tmp_path, module="testbed.bench")

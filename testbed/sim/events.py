@@ -1,0 +1,342 @@
+"""Step times under load imbalance: sampled compute, order statistics, and a parameter-server simulation.
+
+Compute times are drawn with the trainer's own ``Injector`` (same seed, same delays), so a simulated
+run sees exactly the stragglers and jitter a real run with that config would.
+
+A synchronous step (all-reduce, or a BSP parameter server) waits for the slowest rank:
+``T = max_i T_c,i + T_comm``; ``expected_max`` gives E[max] for i.i.d. jitter by integration.
+
+``simulate_ps`` replays a parameter server event by event, in its three modes: each worker computes,
+pushes, waits at the pull gate (sync: the whole round has pushed; ssp: the slowest worker is at most
+``staleness`` clocks behind; async: never), pulls, and starts its next step. Server links are shared
+fairly by the transfers in flight, as TCP streams into one NIC are, so n simultaneous pushes into one
+server take n times as long as one (incast).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from testbed.imbalance import Injector
+
+MODES = ("sync", "ssp", "async")
+
+# --- compute times ------------------------------------------------------------------------------
+
+
+class _PlainCfg(dict):
+    """A resolved config with attribute access: DictConfig lookups would dominate n x steps draws."""
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self[key]
+        except KeyError as missing:
+            raise AttributeError(key) from missing
+
+
+def compute_times(imbalance_cfg: Any, n: int, steps: int, base_s: float | Sequence[float], seed: int) -> np.ndarray:
+    """Compute time of each rank (columns) at each step (rows): base compute plus the injected delay.
+
+    ``base_s`` is one compute time for all ranks or one per rank. Factor-based delays scale the
+    rank's previous base compute, as the trainer scales the previous step's measured compute (which
+    excludes the injected wait); step 0 has no previous step and gets none.
+    """
+    base = np.asarray(base_s, dtype=float)
+    if base.ndim == 0:
+        base = np.full(n, float(base))
+    if base.shape != (n,):
+        raise ValueError(f"base_s must be one value or {n} values, got shape {base.shape}")
+    cfg = imbalance_cfg
+    if isinstance(cfg, DictConfig):
+        cfg = _PlainCfg(OmegaConf.to_container(cfg, resolve=True))
+    times = np.empty((steps, n))
+    for rank in range(n):
+        injector, b = Injector(cfg, rank, seed), float(base[rank])
+        times[:, rank] = [b + injector.delay_s(b if step else None) for step in range(steps)]
+    return times
+
+
+def synchronous_steps(compute: np.ndarray, comm_s: float) -> np.ndarray:
+    """Step times of a synchronous run: every step waits for its slowest rank, then communicates."""
+    return np.asarray(compute, dtype=float).max(axis=1) + comm_s
+
+
+# --- order statistics ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Jitter:
+    """A per-step delay in seconds, distributed as ``Injector`` draws the jitter kind."""
+
+    distribution: str  # normal (clipped at 0) | lognormal | exponential
+    mean_s: float
+    std_s: float | None = None  # exponential: unused, its std is its mean
+
+    @classmethod
+    def from_cfg(cls, cfg: Any) -> Jitter:
+        std_ms = cfg.get("std_ms")
+        return cls(str(cfg.distribution), float(cfg.mean_ms) / 1e3, None if std_ms is None else float(std_ms) / 1e3)
+
+    def survival(self, x: float) -> float:
+        """P(delay > x), for x >= 0; erfc keeps the far tail accurate."""
+        if self.distribution == "exponential":
+            return math.exp(-x / self.mean_s)
+        if self.std_s is None:
+            raise ValueError(f"{self.distribution} jitter needs std_s")
+        if self.distribution == "normal":  # clipping puts the mass below 0 at 0, which x >= 0 never sees
+            return 0.5 * math.erfc((x - self.mean_s) / (self.std_s * math.sqrt(2.0)))
+        if self.distribution == "lognormal":
+            if x <= 0.0:
+                return 1.0
+            sigma2 = math.log1p((self.std_s / self.mean_s) ** 2)
+            mu = math.log(self.mean_s) - sigma2 / 2
+            return 0.5 * math.erfc((math.log(x) - mu) / math.sqrt(2.0 * sigma2))
+        raise ValueError(f"unknown distribution {self.distribution!r}; expected normal, lognormal or exponential")
+
+
+def expected_max(dist: Jitter, n: int) -> float:
+    """E[max of n i.i.d. delays] = integral over x >= 0 of 1 - F(x)^n (delays are never negative).
+
+    Below ``lo`` the integrand is 1 to double precision and above ``hi`` it is below 1e-16, so only
+    [lo, hi], where it falls, is integrated numerically; adaptively, as heavy tails make it long.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+
+    def tail(x: float) -> float:  # 1 - F(x)^n, computed from the survival so it stays exact near 0
+        s = dist.survival(x)
+        return 1.0 if s >= 1.0 else -math.expm1(n * math.log1p(-s))
+
+    tiny = 1e-16
+    top = dist.mean_s + (dist.std_s or dist.mean_s)
+    while tail(top) > tiny:
+        top *= 2.0
+    lo = _crossing(tail, 0.0, top, 1.0 - tiny)
+    hi = _crossing(tail, lo, top, tiny)
+    return lo + _simpson(tail, lo, hi, 1e-12 * (hi - lo))
+
+
+def _crossing(decreasing: Callable[[float], float], lo: float, hi: float, level: float) -> float:
+    """The x in [lo, hi] where a decreasing function falls to ``level`` (lo if it starts below)."""
+    if decreasing(lo) <= level:
+        return lo
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if mid in (lo, hi):
+            break
+        lo, hi = (mid, hi) if decreasing(mid) > level else (lo, mid)
+    return lo
+
+
+def _simpson(f: Callable[[float], float], a: float, b: float, tol: float) -> float:
+    """Adaptive Simpson: halve each interval until its two halves agree to within ``tol`` overall."""
+
+    def whole(a: float, fa: float, b: float, fb: float) -> tuple[float, float, float]:
+        m = (a + b) / 2
+        fm = f(m)
+        return m, fm, (b - a) / 6 * (fa + 4 * fm + fb)
+
+    def refine(
+        a: float, fa: float, b: float, fb: float, m: float, fm: float, area: float, tol: float, depth: int
+    ) -> float:
+        lm, flm, left = whole(a, fa, m, fm)
+        rm, frm, right = whole(m, fm, b, fb)
+        # Four forced halvings first, so that three samples that happen to agree cannot end it early.
+        if depth == 0 or (depth <= 46 and abs(left + right - area) <= 15 * tol):
+            return left + right + (left + right - area) / 15  # Richardson: Simpson's error is O(h^4)
+        return refine(a, fa, m, fm, lm, flm, left, tol / 2, depth - 1) + refine(
+            m, fm, b, fb, rm, frm, right, tol / 2, depth - 1
+        )
+
+    fa, fb = f(a), f(b)
+    m, fm, area = whole(a, fa, b, fb)
+    return refine(a, fa, b, fb, m, fm, area, tol, 50)
+
+
+def gaussian_max_approx(mean_s: float, std_s: float, n: int) -> float:
+    """The cost model's E[max of n i.i.d. normals] ~ mu + sigma sqrt(2 ln n); an upper bound, loose for small n."""
+    return mean_s + std_s * math.sqrt(2.0 * math.log(n))
+
+
+# --- parameter-server simulation ----------------------------------------------------------------
+
+
+@dataclass
+class PsTrace:
+    """When each worker (columns) passed each point of each step (rows) of a simulated run, in seconds."""
+
+    mode: str
+    staleness: int
+    start: np.ndarray  # compute begins
+    pushed: np.ndarray  # the server has the push: the worker's clock advances to step + 1
+    released: np.ndarray  # the pull gate opens
+    end: np.ndarray  # the pull is done: the step ends
+
+    @property
+    def wait_s(self) -> np.ndarray:
+        """Time held at the pull gate."""
+        return self.released - self.pushed
+
+    @property
+    def step_s(self) -> np.ndarray:
+        return self.end - self.start
+
+    @property
+    def mean_step_s(self) -> np.ndarray:
+        """Per worker: its total time over its steps."""
+        return self.end[-1] / self.end.shape[0]
+
+    @property
+    def throughput_steps_per_s(self) -> float:
+        """Steps per second of all workers together, each at its own pace."""
+        return float(np.sum(self.end.shape[0] / self.end[-1]))
+
+    @property
+    def max_lead(self) -> int:
+        """The most clocks a pulling worker was ahead of the slowest one (what SSP bounds by ``staleness``).
+
+        Recomputed from the times, not from the simulation's own counters: at each release, the slowest
+        clock is the fewest pushes any worker had landed by then.
+        """
+        steps, n = self.pushed.shape
+        slowest = np.full((steps, n), steps)
+        for worker in range(n):
+            landed = np.searchsorted(self.pushed[:, worker], self.released, side="right")
+            np.minimum(slowest, landed, out=slowest)
+        clock = np.arange(1, steps + 1)[:, None]
+        return int((clock - slowest).max())
+
+
+class _FairLink:
+    """One direction of a server NIC, shared equally by the transfers on it (processor sharing).
+
+    Work is in seconds of exclusive use. With m transfers each gets 1/m of the link, so a shared
+    clock ``virtual`` (service each transfer has had since the start) advances at 1/m, and a transfer
+    finishes when it reaches its arrival's value plus its work: one heap, no per-transfer updates.
+    """
+
+    def __init__(self) -> None:
+        self.now, self.virtual, self.version = 0.0, 0.0, 0
+        self.jobs: list[tuple[float, int]] = []  # (virtual finish, worker)
+
+    def _advance(self, now: float) -> None:
+        if self.jobs:
+            self.virtual += (now - self.now) / len(self.jobs)
+        self.now = now
+
+    def add(self, now: float, worker: int, work: float) -> None:
+        self._advance(now)
+        heapq.heappush(self.jobs, (self.virtual + work, worker))
+        self.version += 1
+
+    def next_finish(self) -> float | None:
+        return self.now + (self.jobs[0][0] - self.virtual) * len(self.jobs) if self.jobs else None
+
+    def finish(self, now: float) -> list[int]:
+        """The workers whose transfers are done at ``now``, the time ``next_finish`` gave; ties in worker order."""
+        self._advance(now)
+        self.virtual = self.jobs[0][0]  # exactly the head's finish: no rounding drift, no missed finish
+        done = []
+        while self.jobs and self.jobs[0][0] <= self.virtual:
+            done.append(heapq.heappop(self.jobs)[1])
+        self.version += 1
+        return done
+
+
+_COMPUTED, _PUSHED, _PULLED, _LINK = range(4)
+
+
+def simulate_ps(
+    compute: np.ndarray,
+    *,
+    push_s: float,
+    pull_s: float,
+    server_in_s: float,
+    server_out_s: float,
+    mode: str = "sync",
+    staleness: int = 0,
+) -> PsTrace:
+    """Replay workers computing ``compute`` [steps, n] against a parameter server.
+
+    ``push_s`` and ``pull_s`` are a worker's own link time (alpha + M beta); ``server_in_s`` and
+    ``server_out_s`` the time one worker's share takes on one server's NIC ((M/k) beta for k shards).
+    Every push and pull splits evenly over the k shards at the same instant, so all shards' links
+    carry the same transfers and one pair of links stands for all of them. A transfer is done when
+    both the worker's link and the server's are: k = 1 with n simultaneous pushes takes n M beta.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if staleness < 0:
+        raise ValueError(f"staleness must be >= 0, got {staleness}")
+    compute = np.asarray(compute, dtype=float)
+    steps, n = compute.shape
+    start, pushed, released, end = (np.zeros((steps, n)) for _ in range(4))
+    # A sync pull waits for the round, that is the slowest clock reaching the puller's: ssp with s = 0.
+    bound = {"sync": 0, "ssp": staleness, "async": None}[mode]
+
+    events: list[tuple[float, int, int, int, int]] = []  # (time, seq, kind, worker or link, link version)
+    seq = 0
+
+    def at(time: float, kind: int, who: int, version: int = 0) -> None:
+        nonlocal seq  # the sequence number breaks ties in time by scheduling order: deterministic
+        heapq.heappush(events, (time, seq, kind, who, version))
+        seq += 1
+
+    links = (_FairLink(), _FairLink())  # server inbound (pushes), outbound (pulls)
+    work = (server_in_s, server_out_s)
+    own_done = [[0.0] * n, [0.0] * n]  # when each worker's own link finishes its current push / pull
+    done_kind = (_PUSHED, _PULLED)
+
+    def transfer(now: float, direction: int, worker: int, own_s: float) -> None:
+        own_done[direction][worker] = now + own_s
+        if work[direction] <= 0.0:
+            at(now + own_s, done_kind[direction], worker)
+            return
+        link = links[direction]
+        link.add(now, worker, work[direction])
+        at(link.next_finish(), _LINK, direction, link.version)
+
+    clocks, step = [0] * n, [0] * n
+    at_clock = {0: n}  # how many workers have each clock; the slowest is the lowest with any
+    slowest = 0
+    gate: list[tuple[int, int]] = []  # (slowest clock needed, worker) of pulls held back
+
+    for worker in range(n):
+        at(compute[0, worker], _COMPUTED, worker)
+    while events:
+        now, _, kind, who, version = heapq.heappop(events)
+        if kind == _COMPUTED:  # gradient ready: push it
+            transfer(now, 0, who, push_s)
+        elif kind == _LINK:  # a server link finished transfers; each is done once its worker's link is too
+            link = links[who]
+            if version != link.version:
+                continue  # superseded: a transfer joined or left since this was scheduled
+            for worker in link.finish(now):
+                at(max(now, own_done[who][worker]), done_kind[who], worker)
+            if (finish := link.next_finish()) is not None:
+                at(finish, _LINK, who, link.version)
+        elif kind == _PUSHED:  # the server has applied (or staged) the push; the worker wants to pull
+            pushed[step[who], who] = now
+            at_clock[clocks[who]] -= 1
+            clocks[who] += 1
+            at_clock[clocks[who]] = at_clock.get(clocks[who], 0) + 1
+            while at_clock.get(slowest, 0) == 0:
+                slowest += 1
+            heapq.heappush(gate, (clocks[who] - bound if bound is not None else -1, who))
+            while gate and gate[0][0] <= slowest:  # every pull the slowest worker's clock now allows
+                worker = heapq.heappop(gate)[1]
+                released[step[worker], worker] = now
+                transfer(now, 1, worker, pull_s)
+        else:  # _PULLED: fresh parameters; the step ends and the next begins
+            end[step[who], who] = now
+            step[who] += 1
+            if step[who] < steps:
+                start[step[who], who] = now
+                at(now + compute[step[who], who], _COMPUTED, who)
+    return PsTrace(mode, staleness, start, pushed, released, end)
