@@ -200,7 +200,7 @@ def synthetic(noise: float = 0.0, seed: int = 0) -> list[dict]:
 
 
 def test_calibration_recovers_noiseless_alpha_beta():
-    fits = calibrate.fit_records(synthetic())
+    fits = calibrate.fit_records(synthetic(), min_bytes=0)
     assert [(f.link, f.impl, f.points) for f in fits] == [
         ("1gbit", "ring", 27),  # n = 1 rows carry no traffic
         ("1gbit", "tree", 27),
@@ -216,7 +216,7 @@ def test_calibration_recovers_noiseless_alpha_beta():
 
 
 def test_calibration_with_noise():
-    fits = calibrate.fit_records(synthetic(noise=0.05, seed=1))
+    fits = calibrate.fit_records(synthetic(noise=0.05, seed=1), min_bytes=0)
     for f in fits:
         assert f.alpha == pytest.approx(ALPHA, rel=0.05)
         assert f.beta == pytest.approx(BETA, rel=0.05)
@@ -227,15 +227,25 @@ def test_calibration_with_noise():
 def test_calibration_skips_failed_records_and_keeps_alpha_nonnegative():
     records = synthetic()
     records.append({"impl": "ring", "world_size": 2, "bytes": 4096, "time_s": 100.0, "correct": False, "link": "1gbit"})
-    ring_fit = next(f for f in calibrate.fit_records(records) if f.impl == "ring")
+    ring_fit = next(f for f in calibrate.fit_records(records, min_bytes=0) if f.impl == "ring")
     assert ring_fit.alpha == pytest.approx(ALPHA, rel=1e-6)
     # pure bandwidth data whose small points fall below the line: the unconstrained alpha is negative
     flat = [
         {"impl": "ring", "world_size": 2, "bytes": m, "time_s": m * BETA * (0.5 if m < 1e5 else 1.0)} for m in SIZES
     ]
-    (fit,) = calibrate.fit_records(flat)
+    (fit,) = calibrate.fit_records(flat, min_bytes=0)
     assert fit.alpha == 0.0 and fit.beta > 0
     assert fit.link == "loopback"
+
+
+def test_calibration_leaves_small_messages_out_by_default():
+    # Messages within an emulated link's burst pass at memory speed, far under the line.
+    records = [dict(r, time_s=r["time_s"] / 20) if r["bytes"] < calibrate.MIN_BYTES else r for r in synthetic()]
+    ring_fit = next(f for f in calibrate.fit_records(records) if f.impl == "ring")
+    assert ring_fit.points == 18  # 6 sizes >= 256 KiB at n = 2, 4, 8
+    assert ring_fit.beta == pytest.approx(BETA, rel=1e-6) and ring_fit.gm_error < 1e-9
+    skewed = next(f for f in calibrate.fit_records(records, min_bytes=0) if f.impl == "ring")
+    assert skewed.gm_error > 0.1
 
 
 def test_calibration_rejects_unknown_impl():
@@ -244,7 +254,7 @@ def test_calibration_rejects_unknown_impl():
 
 
 def test_lookup_fallback_and_error():
-    fits = calibrate.fit_records(synthetic())
+    fits = calibrate.fit_records(synthetic(), min_bytes=0)
     assert calibrate.lookup(fits, "1gbit", "tree").impl == "tree"
     assert calibrate.lookup(fits, "1gbit", "ps_k4").impl == "ring"  # no PS series on that link
     with pytest.raises(ValueError, match=r"'loopback'.*python -m testbed.bench --out") as info:
@@ -262,7 +272,7 @@ def test_load_records_save_load_round_trip(tmp_path):
     loaded = calibrate.load_records([bench, ps])
     assert len(loaded) == len(records)
     assert {r["link"] for r in loaded} == {"1gbit", "loopback"}
-    fits = calibrate.fit_records(loaded)
+    fits = calibrate.fit_records(loaded, min_bytes=0)
     out = tmp_path / "calibration.json"
     calibrate.save(fits, out, [bench, ps])
     assert calibrate.load(out) == fits

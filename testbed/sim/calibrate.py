@@ -27,6 +27,9 @@ from testbed.sim.costs import Cost, Link, parameter_server, pipelined_tree, ring
 
 DEFAULT_LINK = "loopback"  # records written before the bench kept a link key were all loopback
 TREE_CHUNK_BYTES = 1 << 20  # the bench's default --tree-chunk-kb 1024
+# Smaller messages are left out of fits by default: on emulated links they pass within the
+# shaper's burst (64 KiB or more) at memory speed, which no alpha-beta line describes.
+MIN_BYTES = 256 << 10
 FALLBACK_IMPLS = ("native", "ring")
 
 
@@ -110,14 +113,15 @@ def _fit_series(link: str, impl: str, rows: list[tuple[Cost, float]]) -> Fit:
     return Fit(link, impl, float(alpha), float(beta), gm_error, max_error, len(rows))
 
 
-def fit_records(records: Iterable[dict[str, Any]], tree_chunk_bytes: int = TREE_CHUNK_BYTES) -> list[Fit]:
-    """One Fit per (link, impl), from the records that are correct and carry traffic; sorted by key."""
+def fit_records(
+    records: Iterable[dict[str, Any]], tree_chunk_bytes: int = TREE_CHUNK_BYTES, min_bytes: int = MIN_BYTES
+) -> list[Fit]:
+    """One Fit per (link, impl), from the records that are correct, carry traffic and have at least
+    ``min_bytes``; sorted by key."""
     series: dict[tuple[str, str], list[tuple[Cost, float]]] = {}
     for rec in records:
-        if not rec.get("correct", True):
-            continue
-        cost = model(rec, tree_chunk_bytes)
-        if cost is None:
+        cost = model(rec, tree_chunk_bytes)  # raises on an unknown impl, whatever the filters
+        if cost is None or not rec.get("correct", True) or rec["bytes"] < min_bytes:
             continue
         if not rec["time_s"] > 0:
             raise ValueError(f"records: time_s must be > 0, got {rec['time_s']} ({rec['impl']}, {rec['bytes']} B)")
@@ -185,10 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("bench", nargs="+", help="JSON records of python -m testbed.bench or testbed.bench.ps")
     parser.add_argument("--out", default="", help="write the fits here (e.g. calibration.json)")
     parser.add_argument("--tree-chunk-kb", type=int, default=TREE_CHUNK_BYTES // 1024, help="as given to the bench")
+    parser.add_argument("--min-kb", type=int, default=MIN_BYTES // 1024, help="leave smaller messages out of the fits")
     args = parser.parse_args(argv)
     if args.tree_chunk_kb < 1:
         parser.error("--tree-chunk-kb must be >= 1")
-    fits = fit_records(load_records(args.bench), args.tree_chunk_kb * 1024)
+    fits = fit_records(load_records(args.bench), args.tree_chunk_kb * 1024, args.min_kb * 1024)
     if not fits:
         print("no usable records (all failed, or all-reduce over one rank)", file=sys.stderr)
         return 1
