@@ -11,16 +11,18 @@ with the alpha-beta fits the simulator uses.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
-from analysis import collectives, figures
+from analysis import collectives, figures, validation
 from analysis.load import load
 from analysis.metrics import aggregate, aggregate_by, breakdown, loss_curves, swept_keys, time_to_target
 from analysis.report import write_report
 from testbed.results.summary import load_summaries
 from testbed.results.table import comparison_rows, format_table, write_csv
 from testbed.sim.calibrate import load_records
+from testbed.sim.validate import validate
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("sources", nargs="+", help="sweep or job directories (searched recursively), wandb:entity/project/group, or benchmark JSON files")
     parser.add_argument("--out", type=Path, help="where figures and report.md go (default: <first dir>/analysis)")
     parser.add_argument("--csv", type=Path, help="also write the comparison table as CSV")
+    parser.add_argument("--calibration", help="link fits (python -m testbed.sim.calibrate): predict every run and draw figure 9")
+    parser.add_argument("--cores", type=int, default=os.cpu_count(), help="with --calibration: cores the runs shared")
     parser.add_argument("--target-loss", type=float, help="loss for time-to-target (default: the worst final loss among the runs)")
     args = parser.parse_args(argv)
     bench = [s for s in args.sources if s.endswith(".json")]
@@ -67,7 +71,12 @@ def main(argv: list[str] | None = None) -> int:
             by_key = aggregate_by(ok, key)
             written += figures.versus(by_key, key, out)
         written += figures.step_breakdown(runs, out)
-    report = write_report(out, args.sources, runs, table, written, breakdown(runs), target)
+    sections = []
+    if args.calibration:
+        figs, section = validation.analyse(validate(local, args.calibration, args.cores), out)
+        written += figs
+        sections.append(section)
+    report = write_report(out, args.sources, runs, table, written, breakdown(runs), target, sections)
     print(f"\nfigures and report: {out} ({len(written)} files, {report.name})")
     return 0
 

@@ -24,7 +24,7 @@ SUMMARY_COLUMNS = (
 # Overrides that vary within one configuration: the worker count and the repeat's seed.
 VARYING = ("world_size=", "seed=")
 # Overrides that do not describe the experiment (where it ran, how it logs) or that a label shows anyway.
-QUIET = ("sync=", "+experiment=", "device=", "launcher.", "hydra.", "wandb.")
+QUIET = ("sync=", "+experiment=", "device=", "launcher.", "hydra.", "wandb.", "sim.")
 
 
 def run_row(summary: dict[str, Any], overrides: list[str], source: str) -> dict[str, Any]:
@@ -36,6 +36,9 @@ def run_row(summary: dict[str, Any], overrides: list[str], source: str) -> dict[
     row["overrides"] = ",".join(overrides)
     # The sync option as chosen (ps_sharded), which the per-run label (ps-sync k=4) does not keep.
     row["option"] = next((o.split("=", 1)[1] for o in overrides if o.startswith("sync=")), row["sync"])
+    row["simulated"] = bool(summary.get("simulated"))
+    if row["simulated"]:  # drawn as its own series beside the measured one
+        row["option"] = f"{row['option']} (simulated)"
     row["config_key"] = ",".join(sorted(o for o in overrides if not o.startswith(VARYING)))
     # What sets the run apart besides its synchronizer and size, for tables and legends.
     row["setting"] = ",".join(o for o in sorted(overrides) if not o.startswith((*VARYING, *QUIET)))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import pandas as pd
 
@@ -32,7 +32,7 @@ def _cell(value: Any) -> str:
 
 def write_report(
     out: Path, sources: list[str], runs: pd.DataFrame, table: pd.DataFrame, figures: list[Path],
-    breakdown: pd.DataFrame, target_loss: float,
+    breakdown: pd.DataFrame, target_loss: float, sections: Sequence[str] = (),
 ) -> Path:  # fmt: skip
     failed = runs[runs["status"] != "ok"]
     parts = [
@@ -62,6 +62,7 @@ def write_report(
                                 "time_to_target": "seconds", "final_loss": "final loss"}),  # fmt: skip
             "",
         ]
+    parts += list(sections)
     if not failed.empty:
         parts += ["## Failed runs", "", markdown_table(failed, {"option": "sync", "world_size": "n", "source": "job"}), ""]
     parts += ["## Figures", ""] + [f"- [{p.name}]({p.name})" for p in figures if p.suffix == ".png"] + [""]

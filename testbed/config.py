@@ -281,6 +281,25 @@ class TimeoutsConfig:
 
 
 @dataclass
+class SimConfig:
+    """How ``python -m testbed.sim`` predicts a run of this config (real runs ignore it)."""
+
+    # Link fits from `python -m testbed.sim.calibrate`; null: a nominal link of `bandwidth` and `alpha_us`.
+    calibration: Optional[str] = None
+    link: Optional[str] = None  # the calibration's link; null: network.bandwidth when emulated, else loopback
+    bandwidth: Optional[str] = None  # nominal rate (e.g. 25gbit); null: network.bandwidth when emulated
+    alpha_us: float = 50.0  # nominal per-message latency
+    # Compute: the step log of a world_size 1 run of the same model and batch, or explicit times.
+    compute_from: Optional[str] = None
+    compute_ms_per_sample: Optional[float] = None  # forward + backward
+    backward_share: float = 0.67  # of forward + backward (without compute_from)
+    optimizer_ms: float = 0.0
+    gradient_mb: Optional[float] = None  # a model the testbed does not build (paper-scale presets)
+    cores: Optional[int] = None  # ranks share this many cores (one machine); null: each has its own
+    tensors: int = 100  # with gradient_mb: tensors the gradient is split into, for buckets
+
+
+@dataclass
 class Config:
     sync: Any = MISSING
     model: Any = MISSING
@@ -300,6 +319,7 @@ class Config:
     log_every: int = 0  # progress line on rank 0 every n steps; 0: about ten lines per run
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
 
 
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {

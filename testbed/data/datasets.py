@@ -19,6 +19,17 @@ def load_dataset(cfg: Any, seed: int) -> tuple[torch.Tensor, torch.Tensor, DataS
     raise ValueError(f"data={cfg.name}: unknown; allowed: synthetic|lm|digits")
 
 
+def spec_for(cfg: Any) -> DataSpec:
+    """The data's input spec without generating it (what the simulator needs to size a model)."""
+    if cfg.name == "synthetic":
+        return DataSpec("classification", tuple(cfg.shape), num_classes=cfg.num_classes)
+    if cfg.name == "lm":
+        return DataSpec("lm", (cfg.seq_len,), vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
+    if cfg.name == "digits":
+        return DataSpec("classification", (1, 8, 8), num_classes=10)
+    raise ValueError(f"data={cfg.name}: unknown; allowed: synthetic|lm|digits")
+
+
 def synthetic_classification(
     shape: list[int], num_classes: int, num_samples: int, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor, DataSpec]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -79,6 +80,23 @@ class Synchronizer(ABC):
 FIRST_BUCKET_BYTES = 2**20
 
 
+def bucket_ends(sizes: list[int], cap_bytes: Optional[float], first: bool = True) -> list[int]:
+    """Where buckets end (one past their last tensor) over tensors of ``sizes`` bytes, in the order
+    backward produces them: a bucket closes once it holds ``cap_bytes`` (None: one bucket for all).
+    As in DDP, the first bucket is small (1 MB) so that communication starts early; ``first`` says
+    whether these tensors open the first bucket. The simulator plans buckets with the same rule."""
+    ends, filled = [], 0
+    for i, size in enumerate(sizes):
+        filled += size
+        limit = cap_bytes if (ends or not first or cap_bytes is None) else min(cap_bytes, FIRST_BUCKET_BYTES)
+        if limit is not None and filled >= limit:
+            ends.append(i + 1)
+            filled = 0
+    if not ends or ends[-1] != len(sizes):
+        ends.append(len(sizes))
+    return ends
+
+
 @dataclass
 class Bucket:
     """A contiguous slice of a flat gradient buffer, all-reduced as one collective."""
@@ -109,21 +127,18 @@ class FlatGradSynchronizer(Synchronizer):
         for dtype in sorted({p.dtype for p in params}, key=str):
             group = [p for p in reversed(params) if p.dtype == dtype]
             flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=world.device)
-            offset, start, members = 0, 0, []
+            offset = 0
             for p in group:
                 view = flat[offset : offset + p.numel()].view_as(p)
                 if p.grad is not None:
                     view.copy_(p.grad)
                 p.grad = view
                 offset += p.numel()
-                members.append(p)
-                # As in DDP, the first bucket is small (1 MB) so that communication starts early.
-                limit = cap_bytes if self.buckets or cap_bytes is None else min(cap_bytes, FIRST_BUCKET_BYTES)
-                if limit is not None and (offset - start) * flat.element_size() >= limit:
-                    self.buckets.append(Bucket(flat[start:offset], members))
-                    start, members = offset, []
-            if members:
-                self.buckets.append(Bucket(flat[start:offset], members))
+            offsets = list(itertools.accumulate((p.numel() for p in group), initial=0))
+            start = 0
+            for end in bucket_ends([p.numel() * flat.element_size() for p in group], cap_bytes, first=not self.buckets):
+                self.buckets.append(Bucket(flat[offsets[start] : offsets[end]], group[start:end]))
+                start = end
             self.buffers.append(flat)
         self.scratch = [self.make_scratch(b.view) for b in self.buckets]
         self.overlap = bool(self.cfg.get("overlap", False)) and world.world_size > 1

@@ -1,0 +1,73 @@
+"""Figure 9: the simulator's predicted step time against the measured one (testbed.sim.validate)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from analysis.figures import _save  # noqa: E402
+from analysis.report import markdown_table  # noqa: E402
+from testbed.sim.validate import geometric_error  # noqa: E402
+
+
+def scored(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """The rows whose prediction counts: predicted, and not their own compute source."""
+    frame = pd.DataFrame(rows)
+    return frame[frame["predicted"].notna() & (frame["note"] == "")]
+
+
+def errors(frame: pd.DataFrame) -> pd.DataFrame:
+    """Geometric-mean and worst relative error per synchronizer, and over all."""
+    out = []
+    for option, g in [*frame.groupby("option"), ("all", frame)]:
+        pairs = list(zip(g["predicted"], g["measured"]))
+        worst = max(abs(p / m - 1) for p, m in pairs)
+        out.append({"option": option, "points": len(g), "gm_error": 100 * geometric_error(pairs), "worst": 100 * worst})
+    return pd.DataFrame(out)
+
+
+def draw(frame: pd.DataFrame, out: Path) -> list[Path]:
+    fig, ax = plt.subplots(figsize=(6, 5.5))
+    per_option = errors(frame).set_index("option")["gm_error"]
+    for option, g in frame.groupby("option"):
+        ax.scatter(1e3 * g["measured"], 1e3 * g["predicted"], label=f"{option} (GM error {per_option[option]:.1f} %)", s=22)
+    lo = 1e3 * min(frame["measured"].min(), frame["predicted"].min()) * 0.8
+    hi = 1e3 * max(frame["measured"].max(), frame["predicted"].max()) * 1.25
+    line = np.geomspace(lo, hi, 50)
+    ax.plot(line, line, "k-", lw=0.8, label="y = x")
+    ax.fill_between(line, 0.9 * line, 1.1 * line, color="k", alpha=0.1, label="±10 %")
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="measured step time (ms)",
+           ylabel="predicted step time (ms)", title="Simulator validation")  # fmt: skip
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    return _save(fig, out, "validation")
+
+
+def report_section(rows: list[dict[str, Any]]) -> str:
+    frame = pd.DataFrame(rows)
+    ok = scored(rows)
+    parts = ["## Simulator validation", "",
+             "Predicted from each run's config, the calibration's link fits and the compute time of a single-worker "
+             "run of the same setting; runs that are their own compute source are listed but not scored.", ""]  # fmt: skip
+    if not ok.empty:
+        parts += [markdown_table(errors(ok), {"option": "sync", "points": "points", "gm_error": "GM error %",
+                                              "worst": "worst error %"}), ""]  # fmt: skip
+    frame = frame.assign(measured_ms=1e3 * frame["measured"], predicted_ms=1e3 * frame["predicted"])
+    frame["error"] = 100 * (frame["predicted"] / frame["measured"] - 1)
+    parts += [markdown_table(frame.sort_values(["option", "setting", "world_size"]),
+                             {"option": "sync", "setting": "setting", "world_size": "n", "measured_ms": "measured ms",
+                              "predicted_ms": "predicted ms", "error": "error %", "note": "note"}), ""]  # fmt: skip
+    return "\n".join(parts)
+
+
+def analyse(rows: list[dict[str, Any]], out: Path) -> tuple[list[Path], str]:
+    ok = scored(rows)
+    return (draw(ok, out) if not ok.empty else []), report_section(rows)

@@ -1,0 +1,256 @@
+"""Predicted step times of a run, from the same config as a real run.
+
+The model composes, per rank and step:
+- compute: forward, backward and data time per sample (measured on a world_size 1 run, or given)
+  times the rank's batch and accumulation micro-steps, plus the optimizer; ranks sharing
+  ``sim.cores`` cores slow down in proportion;
+- the imbalance group's delays, drawn exactly as the trainer draws them (testbed.sim.events);
+- communication: the synchronizer's alpha-beta cost (testbed.sim.costs) per bucket, with the
+  link fitted for that synchronizer's implementation; with overlap, buckets start as backward
+  produces their gradients (at an even rate, in bucket order) on one communication thread, and only
+  what is left after backward is exposed (the iteration model of cost-model.md, simulated rather
+  than bounded);
+- the barrier: synchronous modes wait for the slowest rank every step, local SGD every ``period``
+  steps, and the parameter server's SSP and async modes run the worker-clock simulation.
+
+The result is per-rank step records in the trainer's format, summarized by the same code as a real
+run, so ``summary.json`` has the same fields (marked ``simulated``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from testbed import config
+from testbed.data.datasets import spec_for
+from testbed.imbalance import shard_batches
+from testbed.models import build_model
+from testbed.netem import parse_rate
+from testbed.results.summary import summarize
+from testbed.sim import calibrate
+from testbed.sim.costs import Cost, Link, parameter_server, pipelined_tree, ring
+from testbed.sim.events import compute_times, simulate_ps
+from testbed.sync.base import bucket_ends
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Seconds per sample (forward, backward, data) and per step (optimizer), on one rank alone."""
+
+    forward_s: float
+    backward_s: float
+    data_s: float
+    optimizer_s: float
+
+    @classmethod
+    def from_job(cls, job_dir: str | Path) -> Compute:
+        """Medians of a world_size 1 run's steady steps (testbed.sim.calibrate.compute_per_sample)."""
+        m = calibrate.compute_per_sample(Path(job_dir))
+        samples = m["samples"]
+        return cls(m["t_forward"] / samples, m["t_backward"] / samples, m["t_data"] / samples, m["t_optimizer"])
+
+    @classmethod
+    def from_sim(cls, sim: Any) -> Compute:
+        if sim.compute_from:
+            return cls.from_job(sim.compute_from)
+        if sim.compute_ms_per_sample is None:
+            raise config.ConfigError(
+                "sim: no compute time; set sim.compute_from=<job dir of a world_size=1 run> "
+                "or sim.compute_ms_per_sample=<forward + backward ms per sample>"
+            )
+        per_sample = float(sim.compute_ms_per_sample) / 1e3
+        share = float(sim.backward_share)
+        return cls(per_sample * (1 - share), per_sample * share, 0.0, float(sim.optimizer_ms) / 1e3)
+
+
+def gradient_tensors(cfg: Any) -> list[int]:
+    """Bytes of each gradient in the order backward produces them (the reverse of definition)."""
+    if cfg.sim.gradient_mb is not None:
+        count = int(cfg.sim.tensors)
+        return [float(cfg.sim.gradient_mb) * 2**20 / count] * count
+    with torch.device("meta"):  # shapes only: no memory, no initialization
+        model = build_model(cfg.model, spec_for(cfg.data))
+    return [p.numel() * p.element_size() for p in reversed(list(model.parameters())) if p.requires_grad]
+
+
+@dataclass(frozen=True)
+class Collective:
+    """A synchronizer's cost per message of ``s`` bytes, and the calibration series it reads."""
+
+    impl: str
+    cost: Callable[[float], Cost]
+
+
+def collective(cfg: Any) -> Optional[Collective]:
+    n, sync = int(cfg.world_size), cfg.sync
+    name = sync.name
+    if name == "none":
+        return None
+    if name in ("allreduce", "ddp") or (name == "local_sgd" and sync.over == "allreduce"):
+        return Collective("native", lambda s: ring(n, s))  # Gloo's all-reduce of large buffers is a ring
+    if name in ("ring", "local_sgd"):
+        return Collective("ring", lambda s: ring(n, s))
+    if name == "tree":
+        chunk = int(sync.chunk_kb) * 1024
+        return Collective("tree", lambda s: pipelined_tree(n, s, max(1, math.ceil(s / chunk))))
+    if name == "ps":
+        k = int(sync.servers)
+        return Collective(f"ps_k{k}", lambda s: parameter_server(n, s, servers=k))
+    raise config.ConfigError(f"sync={name}: the simulator has no model for it")
+
+
+def link_for(cfg: Any, impl: str) -> tuple[Link, dict[str, Any]]:
+    """The link for ``impl``: the calibration's fit, or the nominal rate and latency; with its source."""
+    sim, network = cfg.sim, cfg.network
+    emulated = network.name == "emulated"
+    if sim.calibration:
+        name = sim.link or (str(network.bandwidth) if emulated else calibrate.DEFAULT_LINK)
+        try:
+            fit = calibrate.lookup(calibrate.load(sim.calibration), name, impl)
+        except (OSError, ValueError) as exc:
+            raise config.ConfigError(f"sim.calibration={sim.calibration}: {exc}") from None
+        return fit.to_link(), {"source": "calibration", **asdict(fit)}
+    rate = sim.bandwidth or (str(network.bandwidth) if emulated else None)
+    if rate is None:
+        raise config.ConfigError(
+            "sim: no link; set sim.calibration=<fits of python -m testbed.sim.calibrate> or sim.bandwidth=<rate, e.g. 25gbit>"
+        )
+    try:
+        bits = parse_rate(str(rate))
+    except ValueError as exc:
+        raise config.ConfigError(f"sim.bandwidth={rate}: {exc}") from None
+    return Link(float(sim.alpha_us) / 1e6, 8.0 / bits), {"source": "nominal", "rate": rate, "alpha_us": sim.alpha_us}
+
+
+def exposed_comm(buckets: list[float], cost_s: Callable[[float], float], backward_s: float, overlap: bool) -> float:
+    """Communication time not hidden behind backward.
+
+    Without overlap every bucket runs after backward. With it, bucket j is ready when backward has
+    produced its share of the bytes, and one thread runs the buckets in order.
+    """
+    times = [cost_s(b) for b in buckets]
+    if not overlap:
+        return sum(times)
+    total, produced, finish = sum(buckets), 0.0, 0.0
+    for size, t in zip(buckets, times):
+        produced += size
+        finish = max(finish, backward_s * produced / total) + t
+    return max(0.0, finish - backward_s)
+
+
+def _barrier(compute: np.ndarray, meet: np.ndarray, comm_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(wait, comm) per step and rank when ranks meet at the steps where ``meet``: each waits for
+    the slowest rank's clock, then all communicate for ``comm_s``; in between each keeps its pace."""
+    steps, n = compute.shape
+    clocks = np.zeros(n)
+    wait, comm = np.zeros((steps, n)), np.zeros((steps, n))
+    for t in range(steps):
+        clocks += compute[t]
+        if meet[t]:
+            wait[t] = clocks.max() - clocks
+            comm[t] = comm_s[t]
+            clocks[:] = clocks.max() + comm_s[t]
+    return wait, comm
+
+
+@dataclass
+class Prediction:
+    records: list[list[dict[str, Any]]]  # per rank, per step: the trainer's step record fields
+    facts: dict[str, Any]  # what the prediction assumed
+
+
+def predict(cfg: Any) -> Prediction:
+    n, steps, sync = int(cfg.world_size), int(cfg.steps), cfg.sync
+    accumulate = int(sync.get("accumulate", 1))
+    sizes = shard_batches(cfg)
+    compute = Compute.from_sim(cfg.sim)
+    threads = max(1, int(cfg.threads_per_rank))
+    slowdown = max(1.0, n * threads / cfg.sim.cores) if cfg.sim.cores else 1.0
+    per_sample = [slowdown * x for x in (compute.data_s, compute.forward_s, compute.backward_s)]
+    optimizer_s = slowdown * compute.optimizer_s
+    base = [accumulate * b * sum(per_sample) + optimizer_s for b in sizes]
+    delays = compute_times(cfg.imbalance, n, steps, base, int(cfg.seed)) - np.array(base)
+    work = np.array(base) + delays  # [steps, n]
+
+    tensors = gradient_tensors(cfg)
+    gradient_bytes = sum(tensors)
+    coll = collective(cfg) if n > 1 or sync.name == "ps" else None
+    facts: dict[str, Any] = {"gradient_bytes": gradient_bytes, "compute": asdict(compute), "slowdown": slowdown}
+    meet, comm_at = np.full(steps, coll is not None), np.zeros(steps)
+    if coll is not None:
+        link, facts["link"] = link_for(cfg, coll.impl)
+        facts["impl"] = coll.impl
+
+        def cost_s(nbytes: float) -> float:
+            return coll.cost(nbytes).time(link)
+
+        if sync.name == "local_sgd":  # parameters are averaged every `period` steps
+            meet = np.array([t < int(sync.sync_steps) or (t + 1) % int(sync.period) == 0 for t in range(steps)])
+            comm_at = np.where(meet, cost_s(gradient_bytes), 0.0)
+        elif sync.name != "ps":
+            cap = sync.get("bucket_mb")
+            cap_bytes = None if cap is None else float(cap) * 2**20
+            ends = bucket_ends(tensors, cap_bytes)
+            buckets = [sum(tensors[a:b]) for a, b in zip([0, *ends], ends)]
+            overlap = sync.name == "ddp" or bool(sync.get("overlap", False))  # DDP always overlaps
+            backward = per_sample[2] * max(sizes)  # the boundary micro-step's backward
+            facts.update(buckets=len(buckets), overlap=overlap)
+            comm_at = np.full(steps, exposed_comm(buckets, cost_s, backward, overlap))
+    if sync.name == "ps":
+        wait, comm = _parameter_server(cfg, work, gradient_bytes, link)
+    else:
+        wait, comm = _barrier(work, meet, comm_at)
+    return Prediction(_records(cfg, sizes, per_sample, optimizer_s, accumulate, delays, wait, comm), facts)
+
+
+def _parameter_server(cfg: Any, work: np.ndarray, nbytes: float, link: Link) -> tuple[np.ndarray, np.ndarray]:
+    """(wait at the pull gate, transfer) per step and rank from the worker-clock simulation."""
+    k = int(cfg.sync.servers)
+    own = link.alpha + nbytes * link.beta  # a worker's push (or pull) over its own link
+    shard = nbytes / k * link.beta  # what each push (or pull) puts on every server's link
+    trace = simulate_ps(work, push_s=own, pull_s=own, server_in_s=shard, server_out_s=shard,
+                        mode=str(cfg.sync.mode), staleness=int(cfg.sync.staleness))  # fmt: skip
+    wait = trace.wait_s
+    return wait, trace.step_s - work - wait
+
+
+def _records(
+    cfg: Any, sizes: list[int], per_sample: list[float], optimizer_s: float, accumulate: int,
+    delays: np.ndarray, wait: np.ndarray, comm: np.ndarray,
+) -> list[list[dict[str, Any]]]:  # fmt: skip
+    data_s, forward_s, backward_s = per_sample
+    out = []
+    for rank, batch in enumerate(sizes):
+        micro = accumulate * batch
+        phases = {"t_data": micro * data_s, "t_forward": micro * forward_s, "t_backward": micro * backward_s,
+                  "t_optimizer": optimizer_s}  # fmt: skip
+        rows = []
+        for t in range(delays.shape[0]):
+            sync_s = float(wait[t, rank] + comm[t, rank])
+            rows.append({
+                "step": t, "rank": rank, "samples": micro, "loss": 0.0, **phases,
+                "t_injected": float(delays[t, rank]), "t_sync": sync_s, "t_wait": float(wait[t, rank]),
+                "t_comm": float(comm[t, rank]), "t_step": sum(phases.values()) + float(delays[t, rank]) + sync_s,
+                "bytes_sent": 0, "bytes_recv": 0, "t_sync_enter": None, "t_sync_exit": None,
+            })  # fmt: skip
+        out.append(rows)
+    return out
+
+
+def simulate(cfg: Any) -> dict[str, Any]:
+    """The summary a run of ``cfg`` is predicted to produce (config.ConfigError for a bad config)."""
+    # Every rank is simulated and none spawned: no network to build, no GPU per rank to find.
+    plain = config.to_plain(cfg)
+    config.validate(OmegaConf.create({**plain, "network": {"name": "loopback"}}), local_world_size=1)
+    prediction = predict(cfg)
+    summary = summarize(plain, prediction.records)
+    summary.update(simulated=True, final_loss=None, loss_first=None, gradient_bytes=prediction.facts["gradient_bytes"],
+                   sync_facts=prediction.facts)  # fmt: skip
+    return summary

@@ -1,0 +1,140 @@
+"""The step model against hand computations, and ``python -m testbed.sim`` end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import read_json, run_cli
+from hydra import compose, initialize_config_dir
+
+from testbed.data.datasets import load_dataset
+from testbed.models import build_model, gradient_bytes
+from testbed.paths import config_dir
+from testbed.sim.costs import Link, parameter_server, ring
+from testbed.sim.step import exposed_comm, gradient_tensors, simulate
+from testbed.sync.base import bucket_ends
+
+MS = 1e-3
+RATE = "1gbit"
+BETA = 8 / 1e9
+ALPHA = 50e-6
+# Compute of 0.1 ms per sample, a third of it forward; batch 64: 6.4 ms per step.
+NOMINAL = [f"sim.bandwidth={RATE}", "sim.alpha_us=50", "sim.compute_ms_per_sample=0.1", "sim.backward_share=0.6667",
+           "data.batch_size=64", "steps=20", "warmup_steps=2"]  # fmt: skip
+COMPUTE = 64 * 0.1 * MS
+
+
+def cfg_of(overrides: list[str]):
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        return compose(config_name="config", overrides=NOMINAL + overrides)
+
+
+def test_gradient_sizes_come_from_the_model_without_building_it() -> None:
+    cfg = cfg_of(["model=cnn"])
+    _, _, spec = load_dataset(cfg.data, 0)
+    real = build_model(cfg.model, spec)
+    assert sum(gradient_tensors(cfg)) == gradient_bytes(real)
+    # In the order backward produces them: the last layer's first.
+    assert gradient_tensors(cfg)[0] == list(real.parameters())[-1].numel() * 4
+
+
+def test_buckets_follow_the_synchronizer_rule() -> None:
+    mb = 2**20
+    assert bucket_ends([mb // 2, mb // 2 + 1, 2 * mb, 3 * mb], 4 * mb) == [2, 4]  # the first bucket closes at 1 MB
+    assert bucket_ends([mb] * 3, 0) == [1, 2, 3]  # 0: one per tensor
+    assert bucket_ends([mb] * 3, None) == [3]  # null: one for all
+
+
+def test_overlap_hides_communication_behind_backward() -> None:
+    # Two equal buckets of 1 s each; backward 1 s produces the first by 0.5 s and the second by 1 s.
+    assert exposed_comm([1.0, 1.0], lambda b: 1.0, 1.0, overlap=False) == 2.0
+    assert exposed_comm([1.0, 1.0], lambda b: 1.0, 1.0, overlap=True) == pytest.approx(1.5)
+    assert exposed_comm([1.0, 1.0], lambda b: 0.1, 1.0, overlap=True) == pytest.approx(0.1)  # only the tail
+
+
+@pytest.mark.parametrize("n", [2, 4, 64, 1024])
+def test_synchronous_ring_step_is_compute_plus_the_ring_cost(n: int) -> None:
+    cfg = cfg_of(["sync=ring", f"world_size={n}"])
+    summary = simulate(cfg)
+    m = sum(gradient_tensors(cfg))
+    expected = COMPUTE + ring(n, m).time(Link(ALPHA, BETA))
+    assert summary["simulated"] is True and summary["status"] == "ok"
+    assert summary["step_time"] == pytest.approx(expected, rel=1e-3)
+    assert summary["throughput"] == pytest.approx(n * 64 / expected, rel=1e-3)
+
+
+def test_parameter_server_sync_matches_the_closed_form() -> None:
+    # alpha = 0: the worker-clock simulation and the closed form then agree exactly.
+    for k in (1, 4):
+        cfg = cfg_of(["sync=ps", "world_size=4", f"sync.servers={k}", "sim.alpha_us=0"])
+        m = sum(gradient_tensors(cfg))
+        expected = COMPUTE + parameter_server(4, m, servers=k).time(Link(0.0, BETA))
+        assert simulate(cfg)["step_time"] == pytest.approx(expected, rel=1e-6), k
+
+
+def test_a_straggler_sets_the_pace_and_the_imbalance() -> None:
+    cfg = cfg_of(["sync=ring", "world_size=2", "imbalance=straggler", "imbalance.ranks=[1]", "imbalance.slowdown=1.0"])
+    summary = simulate(cfg)
+    comm = ring(2, sum(gradient_tensors(cfg))).time(Link(ALPHA, BETA))
+    assert summary["step_time"] == pytest.approx(2 * COMPUTE + comm, rel=1e-3)
+    assert summary["imbalance"] == pytest.approx(1 / 3, rel=1e-3)  # max/mean - 1 of (1, 2)
+    fast, slow = summary["per_rank"]
+    assert fast["wait"] == pytest.approx(COMPUTE, rel=1e-3) and slow["wait"] == 0
+
+
+def test_staleness_and_async_spare_the_fast_worker_under_jitter() -> None:
+    # A small gradient: the jitter, not the server's link, sets the pace.
+    jitter = ["world_size=8", "imbalance=jitter", "imbalance.distribution=exponential", "imbalance.mean_ms=5",
+              "imbalance.std_ms=null", "steps=200", "sim.gradient_mb=0.01"]  # fmt: skip
+    sync = simulate(cfg_of(["sync=ps", *jitter]))["throughput"]
+    ssp = simulate(cfg_of(["sync=ps_ssp", "sync.staleness=4", *jitter]))["throughput"]
+    asynchronous = simulate(cfg_of(["sync=ps_async", *jitter]))["throughput"]
+    assert sync < 0.9 * ssp and ssp < asynchronous
+
+
+def test_local_sgd_communicates_every_period_steps() -> None:
+    every = simulate(cfg_of(["sync=allreduce", "world_size=4"]))
+    local = simulate(cfg_of(["sync=local_sgd", "sync.period=4", "world_size=4", "steps=22"]))
+    comm = every["step_time"] - COMPUTE
+    # Steady steps 2..21 hold five averagings (steps 3, 7, ..., 19): the mean step is compute + comm / 4.
+    assert 4 * 64 / local["throughput"] == pytest.approx(COMPUTE + comm / 4, rel=1e-3)
+
+
+def test_the_cli_predicts_a_sweep_to_1024_workers(tmp_path: Path) -> None:
+    out = tmp_path / "sim"
+    proc = run_cli(["-m", "sync=ring,ps_sharded", "world_size=1,32,1024", *NOMINAL, f"hydra.sweep.dir={out}"],
+                   cwd=tmp_path, module="testbed.sim")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summaries = [read_json(p) for p in out.glob("*/summary.json")]
+    assert len(summaries) == 6 and all(s["simulated"] and s["status"] == "ok" for s in summaries)
+    ring_1024 = next(s for s in summaries if s["world_size"] == 1024 and s["sync"] == "ring")
+    assert ring_1024["sync_facts"]["link"]["source"] == "nominal" and ring_1024["overrides"]
+
+
+def test_the_cli_names_what_is_missing(tmp_path: Path) -> None:
+    proc = run_cli(["sync=ring", "world_size=4", f"hydra.run.dir={tmp_path / 'x'}"], cwd=tmp_path, module="testbed.sim")
+    assert proc.returncode == 2
+    assert "sim.compute_from" in proc.stderr and "sim.compute_ms_per_sample" in proc.stderr
+
+
+def test_validation_predicts_measured_runs(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    proc = run_cli(["-m", "sync=allreduce,ps", "world_size=1,2", "steps=8", "warmup_steps=2", "launcher.echo_rank0=false",
+                    f"hydra.sweep.dir={sweep}"], cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    calibration = tmp_path / "calibration.json"
+    fits = [{"link": "loopback", "impl": impl, "alpha": 1e-4, "beta": 1e-9, "gm_error": 0.0, "max_error": 0.0, "points": 4}
+            for impl in ("native", "ring")]  # fmt: skip
+    calibration.write_text(json.dumps({"fits": fits, "sources": []}))
+    out = tmp_path / "analysis"
+    proc = run_cli([str(sweep), "--calibration", str(calibration), "--out", str(out)], cwd=tmp_path, module="analysis")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "validation.png").stat().st_size > 1000
+    report = (out / "report.md").read_text()
+    section = report.split("## Simulator validation", 1)[1]
+    assert "| all |" in section and "compute source" in section
+    # allreduce at n = 1 is the compute source of all; the other three runs are scored.
+    (all_row,) = [line for line in section.splitlines() if line.startswith("| all |")]
+    assert all_row.split("|")[2].strip() == "3"
