@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from analysis import collectives, figures, validation
+from analysis import collectives, figures, published, validation
 from analysis.load import load
 from analysis.metrics import aggregate, aggregate_by, breakdown, loss_curves, swept_keys, time_to_target
 from analysis.report import write_report
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             by_key = aggregate_by(ok, key)
             written += figures.versus(by_key, key, out)
         written += figures.step_breakdown(runs, out)
-    sections = []
+    sections = [published.horovod_section(table)] if not table.empty else []
     if args.calibration:
         figs, section = validation.analyse(validate(local, args.calibration, args.cores), out)
         written += figs

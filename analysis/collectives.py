@@ -1,4 +1,5 @@
-"""Figure 2: the collective micro-benchmark (nccl-tests style) with its fitted alpha-beta lines.
+"""Figures 2 and 3: the collective micro-benchmark (nccl-tests style) with its fitted alpha-beta
+lines, and the time of one synchronization against the number of workers and server shards.
 
 Reads the JSON records of ``python -m testbed.bench`` and ``python -m testbed.bench.ps``; the fits
 are testbed.sim.calibrate's, the same the simulator uses, so the dashed lines show how well the
@@ -57,6 +58,49 @@ def draw(records: list[dict[str, Any]], fits: list[Fit], out: Path) -> list[Path
     return _save(fig, out, "collectives")
 
 
+def comm_vs_n(records: list[dict[str, Any]], fits: list[Fit], out: Path) -> list[Path]:
+    """Figure 3: time of one synchronization of a fixed size against n, measured points and the
+    fitted alpha-beta lines extended to 64 workers; and the parameter server against its shard
+    count k at the largest measured n (BytePS's analysis)."""
+    by_key = {(f.link, f.impl): f for f in fits}
+    sizes = [r["bytes"] for r in records if r["impl"] in ("ring", "native")] or [r["bytes"] for r in records]
+    size = max(set(sizes), key=lambda s: (sizes.count(s), s))  # the most common size, the largest on ties
+    at_size = [r for r in records if r["bytes"] == size and r.get("correct", True)]
+    fig, (ax_n, ax_k) = plt.subplots(1, 2, figsize=(11, 4))
+    grid = np.unique(np.geomspace(1, 64, 20).astype(int))
+    series = {(r["link"], r["impl"]) for r in at_size if not r["impl"].startswith("ps_k") or r["impl"] == "ps_k1"}
+    for link, impl in sorted(series):
+        points = sorted((int(r["world_size"]), r["time_s"]) for r in at_size if (r["link"], r["impl"]) == (link, impl))
+        (line,) = ax_n.plot([n for n, _ in points], [1e3 * t for _, t in points], "o", label=f"{impl} ({link})")
+        fit = by_key.get((link, impl))
+        if fit is not None:
+            template = {"impl": impl, "bytes": size}
+            ns = [n for n in grid if n > 1 or impl.startswith("ps") or impl == "grpc_raw"]
+            ax_n.plot(ns, [1e3 * model({**template, "world_size": n}).time(fit.to_link()) for n in ns], "--",
+                      color=line.get_color(), lw=0.9)  # fmt: skip
+            if impl == "ps_k1":  # one shard per worker, on the same transport
+                ax_n.plot(ns, [1e3 * model({"impl": f"ps_k{n}", "bytes": size, "world_size": n}).time(fit.to_link())
+                               for n in ns], ":", color=line.get_color(), lw=0.9, label="PS k = n (model)")  # fmt: skip
+    ps = [r for r in at_size if r["impl"].startswith("ps_k")]
+    if ps:
+        n = max(int(r["world_size"]) for r in ps)
+        points = sorted((int(r["impl"][4:]), r["time_s"]) for r in ps if int(r["world_size"]) == n)
+        (line,) = ax_k.plot([k for k, _ in points], [1e3 * t for _, t in points], "o", label=f"measured, n = {n}")
+        fit = by_key.get((ps[0]["link"], "ps_k1"))
+        if fit is not None:
+            ks = list(range(1, 2 * n + 1))
+            ax_k.plot(ks, [1e3 * model({"impl": f"ps_k{k}", "bytes": size, "world_size": n}).time(fit.to_link()) for k in ks],
+                      "--", color=line.get_color(), lw=0.9, label="alpha-beta (ps_k1 fit)")  # fmt: skip
+        ax_k.set(xlabel="server shards k", ylabel="time per push + pull (ms)", title=f"parameter server, n = {n}")
+        ax_k.legend(fontsize=8)
+    ax_n.set(xscale="log", yscale="log", xlabel="workers n", ylabel="time per synchronization (ms)",
+             title=f"{size / 2**20:g} MiB; dashed: fitted alpha-beta")  # fmt: skip
+    for ax in (ax_n, ax_k):
+        ax.grid(alpha=0.3, which="both")
+    ax_n.legend(fontsize=7)
+    return _save(fig, out, "comm_vs_n")
+
+
 def _medians(rows: list[dict[str, Any]]) -> dict[float, float]:
     """Median time per message size over the records (several benchmark files may repeat a point)."""
     by_size: dict[float, list[float]] = {}
@@ -77,4 +121,4 @@ def report_section(fits: list[Fit]) -> str:
 
 def analyse(records: list[dict[str, Any]], out: Path) -> tuple[list[Path], str]:
     fits = fit_records(records)
-    return draw(records, fits, out), report_section(fits)
+    return draw(records, fits, out) + comm_vs_n(records, fits, out), report_section(fits)

@@ -62,7 +62,7 @@ def write_report(
                                 "time_to_target": "seconds", "final_loss": "final loss"}),  # fmt: skip
             "",
         ]
-    parts += list(sections)
+    parts += [s for s in sections if s]
     if not failed.empty:
         parts += ["## Failed runs", "", markdown_table(failed, {"option": "sync", "world_size": "n", "source": "job"}), ""]
     parts += ["## Figures", ""] + [f"- [{p.name}]({p.name})" for p in figures if p.suffix == ".png"] + [""]

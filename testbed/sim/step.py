@@ -33,6 +33,7 @@ from testbed.data.datasets import spec_for
 from testbed.imbalance import shard_batches
 from testbed.models import build_model
 from testbed.netem import parse_rate
+from testbed.paths import config_dir
 from testbed.results.summary import summarize
 from testbed.sim import calibrate
 from testbed.sim.costs import Cost, Link, parameter_server, pipelined_tree, ring
@@ -113,7 +114,7 @@ def link_for(cfg: Any, impl: str) -> tuple[Link, dict[str, Any]]:
     if sim.calibration:
         name = sim.link or (str(network.bandwidth) if emulated else calibrate.DEFAULT_LINK)
         try:
-            fit = calibrate.lookup(calibrate.load(sim.calibration), name, impl)
+            fit = calibrate.lookup(calibrate.load(_in_checkout(sim.calibration)), name, impl)
         except (OSError, ValueError) as exc:
             raise config.ConfigError(f"sim.calibration={sim.calibration}: {exc}") from None
         return fit.to_link(), {"source": "calibration", **asdict(fit)}
@@ -127,6 +128,12 @@ def link_for(cfg: Any, impl: str) -> tuple[Link, dict[str, Any]]:
     except ValueError as exc:
         raise config.ConfigError(f"sim.bandwidth={rate}: {exc}") from None
     return Link(float(sim.alpha_us) / 1e6, 8.0 / bits), {"source": "nominal", "rate": rate, "alpha_us": sim.alpha_us}
+
+
+def _in_checkout(path: str) -> Path:
+    """``path`` as given, or relative to the checkout (where presets name shipped calibrations)."""
+    given = Path(path)
+    return given if given.is_absolute() or given.exists() else Path(config_dir()).parent / given
 
 
 def exposed_comm(buckets: list[float], cost_s: Callable[[float], float], backward_s: float, overlap: bool) -> float:
