@@ -37,39 +37,75 @@ def _series(table: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     return sorted(out, key=lambda item: item[0])
 
 
+def _style(labels: list[str]) -> dict[str, dict]:
+    """A color per synchronizer; its simulated series dashed in the same color as the measured one."""
+    bases = sorted({label.replace(" (simulated)", "") for label in labels})
+    colors = {b: f"C{i % 10}" for i, b in enumerate(bases)}
+    return {label: {"color": colors[label.replace(" (simulated)", "")], "ls": "--" if "(simulated)" in label else "-",
+                    "marker": "." if "(simulated)" in label else "o"} for label in labels}  # fmt: skip
+
+
+def _workers_axis(ax: plt.Axes, ns: list[int]) -> None:
+    """Workers on a log2 axis when they span a wide range (a simulated sweep), else linear."""
+    if max(ns) / min(ns) >= 16:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(ns, [str(n) for n in ns], fontsize=7 if len(ns) > 8 else None)
+
+
 def scaling(table: pd.DataFrame, out: Path) -> list[Path]:
-    """Figure 1: scaling efficiency and throughput against workers, one line per synchronizer."""
+    """Figure 1: scaling efficiency and throughput against workers, one line per synchronizer.
+
+    Efficiency is against the fastest single worker of the same setting (``efficiency_common``),
+    so a parameter server's own n = 1 round trip does not flatter it."""
     fig, (ax_e, ax_x) = plt.subplots(1, 2, figsize=(10, 4))
-    for label, g in _series(table):
-        ax_e.errorbar(g["world_size"], g["efficiency"], yerr=g["efficiency_std"], marker="o", capsize=3, label=label)
-        line = ax_x.errorbar(g["world_size"], g["throughput"], yerr=g["throughput_std"], marker="o", capsize=3, label=label)
+    series = _series(table)
+    styles = _style([label for label, _ in series])
+    for label, g in series:
+        style = styles[label]
+        ax_e.errorbar(g["world_size"], g["efficiency_common"], yerr=g["efficiency_std"], capsize=3, label=label, **style)
+        ax_x.errorbar(g["world_size"], g["throughput"], yerr=g["throughput_std"], capsize=3, label=label, **style)
+    for key, g in table.groupby("setting_key", dropna=False):  # the ideal: n times the best single worker
         single = g[g["world_size"] == 1]["throughput"]
-        if not single.empty:  # the ideal: n times the single worker
-            ax_x.plot(g["world_size"], g["world_size"] * single.iloc[0], ":", color=line[0].get_color(), lw=1)
-    ax_e.set(xlabel="workers", ylabel="scaling efficiency X(n) / (n X(1))", ylim=(0, None))
-    ax_x.set(xlabel="workers", ylabel="throughput (samples/s); dotted: n X(1)", ylim=(0, None))
+        if not single.empty:
+            ns = sorted(g["world_size"].unique())
+            ax_x.plot(ns, [n * single.max() for n in ns], ":", color="k", lw=0.8)
+    ns = sorted(table["world_size"].unique())
+    ax_e.set(xlabel="workers", ylabel="scaling efficiency X(n) / (n X(1))", ylim=(0, 1.05))
+    ax_x.set(xlabel="workers", ylabel="throughput (samples/s); dotted: n X(1)")
+    if max(ns) / min(ns) >= 16:
+        ax_x.set_yscale("log")
     for ax in (ax_e, ax_x):
-        ax.set_xticks(sorted(table["world_size"].unique()))
+        _workers_axis(ax, ns)
         ax.grid(alpha=0.3)
-    ax_e.legend(fontsize=8)
+    ax_e.legend(fontsize=7)
     return _save(fig, out, "scaling")
+
+
+KNEE = 0.5  # marginal speed-up per added worker that marks the knee
 
 
 def diminishing_returns(table: pd.DataFrame, out: Path) -> list[Path]:
     """Figure 8: speed-up and the marginal speed-up per added worker."""
     fig, (ax_s, ax_m) = plt.subplots(1, 2, figsize=(10, 4))
-    for label, g in _series(table):
-        ax_s.errorbar(g["world_size"], g["speedup"], yerr=g["speedup_std"], marker="o", capsize=3, label=label)
-        ax_m.plot(g["world_size"], g["marginal_speedup"], marker="o", label=label)
+    series = _series(table)
+    styles = _style([label for label, _ in series])
+    for label, g in series:
+        ax_s.errorbar(g["world_size"], g["speedup"], yerr=g["speedup_std"], capsize=3, label=label, **styles[label])
+        ax_m.plot(g["world_size"], g["marginal_speedup"], label=label, **styles[label])
+        knee = g[g["marginal_speedup"] < KNEE]
+        if not knee.empty:  # where an added worker starts to bring less than half a worker's speed
+            ax_m.plot(knee["world_size"].iloc[0], knee["marginal_speedup"].iloc[0], "x", color=styles[label]["color"], ms=10, mew=2)
     ns = sorted(table["world_size"].unique())
-    ax_s.plot(ns, ns, "k--", lw=0.8, label="linear")
+    ax_s.plot(ns, ns, "k:", lw=0.8, label="linear")
     ax_m.axhline(0.0, color="k", lw=0.8)
     ax_s.set(xlabel="workers", ylabel="speed-up S(n)")
-    ax_m.set(xlabel="workers", ylabel="marginal speed-up per added worker")
+    ax_m.set(xlabel="workers", ylabel="marginal speed-up per added worker", title=f"x: the knee (below {KNEE})")
+    if max(ns) / min(ns) >= 16:
+        ax_s.set_yscale("log", base=2)
     for ax in (ax_s, ax_m):
-        ax.set_xticks(ns)
+        _workers_axis(ax, ns)
         ax.grid(alpha=0.3)
-    ax_s.legend(fontsize=8)
+    ax_s.legend(fontsize=7)
     return _save(fig, out, "diminishing_returns")
 
 
