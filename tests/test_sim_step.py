@@ -134,8 +134,8 @@ def test_validation_predicts_measured_runs(tmp_path: Path) -> None:
     assert (out / "validation.png").stat().st_size > 1000
     report = (out / "report.md").read_text()
     section = report.split("## Simulator validation", 1)[1]
-    assert "| all |" in section and "compute source" in section
-    # allreduce at n = 1 is the compute source of all; the other three runs are scored.
+    assert "| all |" in section and "no communication" in section
+    # allreduce at n = 1 does not communicate; the other three runs (a PS round trip at n = 1) are scored.
     (all_row,) = [line for line in section.splitlines() if line.startswith("| all |")]
     assert all_row.split("|")[2].strip() == "3"
 
