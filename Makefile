@@ -2,7 +2,8 @@
 #   make demo   set up .venv, run the comparison sweep (sync x world_size), print the table, draw
 #               its scaling figure and report under results/compare/<time>/analysis
 #   make test   set up .venv, run the test suite (what CI runs)
-# Figures: make figure PRESET=stragglers [ARGS="seed=0,1,2"]; make figures runs every preset.
+# Figures: make figure PRESET=stragglers [ARGS="seed=0"]; make figures runs every preset;
+# simulated ones: make sim-figure PRESET=horovod (or scaling_sim).
 PYTHON ?= python3
 # torch==2.13.0 is a CPU build on the project's machines; CUDA users set TORCH_SPEC to their build.
 TORCH_SPEC ?= torch==2.13.0
@@ -11,9 +12,10 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 PRESETS := compare scaling overlap buckets accumulation stragglers diminishing
+SIM_PRESETS := scaling_sim horovod
 RUN_DIR = results/$(PRESET)/$(shell date +%Y-%m-%d_%H-%M-%S)
 
-.PHONY: setup demo figure figures test bench overhead clean
+.PHONY: setup demo figure figures sim-figure test bench overhead clean
 
 setup: $(STAMP)
 
@@ -30,6 +32,12 @@ figure: $(STAMP)
 	@test -n "$(PRESET)" || { echo "usage: make figure PRESET=<one of: $(PRESETS)> [ARGS=...]"; exit 2; }
 	$(eval DIR := $(RUN_DIR))
 	$(BIN)/python -m testbed +experiment=$(PRESET) launcher.echo_rank0=false hydra.sweep.dir=$(DIR) $(ARGS)
+	$(BIN)/python -m analysis $(DIR) --out $(DIR)/analysis
+
+sim-figure: $(STAMP)
+	@test -n "$(PRESET)" || { echo "usage: make sim-figure PRESET=<one of: $(SIM_PRESETS)> [ARGS=...]"; exit 2; }
+	$(eval DIR := $(RUN_DIR))
+	$(BIN)/python -m testbed.sim +experiment=$(PRESET) hydra.sweep.dir=$(DIR) $(ARGS)
 	$(BIN)/python -m analysis $(DIR) --out $(DIR)/analysis
 
 figures: $(STAMP)

@@ -116,11 +116,21 @@ def tree_allreduce_(
             traffic.recv += size * esize
         return posted
 
+    # A rank is a leaf in one tree and an inner node in the other: its leaf chunks are its own data,
+    # ready now, so they all go up at once. Were they interleaved with the inner lane's waits, each
+    # rank's leaf sends would wait on its peer's, and the two trees would take turns on the links.
+    inner = [(li, c) for li, c in order if lanes[li].children]
+    for li, c in order:
+        if not lanes[li].children:
+            link_delay()
+            pending.append(dist.isend(part(li, c), lanes[li].parent, group, tag=lanes[li].tag))
+            traffic.sent += part(li, c).numel() * esize
+
     # Reduce: add the children's chunk, pass it up without waiting for the send; the next chunk's
     # receives are posted before this one is waited for, so the links never idle between chunks.
-    posted = post_reduce_recvs(*order[0])
-    for i, (li, c) in enumerate(order):
-        following = post_reduce_recvs(*order[i + 1]) if i + 1 < len(order) else []
+    posted = post_reduce_recvs(*inner[0]) if inner else []
+    for i, (li, c) in enumerate(inner):
+        following = post_reduce_recvs(*inner[i + 1]) if i + 1 < len(inner) else []
         target = part(li, c)
         for work, slot in posted:
             work.wait()
@@ -135,19 +145,20 @@ def tree_allreduce_(
     pending.clear()
 
     # Broadcast: every chunk is received straight into place, so all receives are posted at once;
-    # each chunk goes down to the children as soon as it has arrived.
+    # each inner chunk goes down to the children as soon as it has arrived; leaf chunks are only
+    # waited for at the end, for the same reason as above.
     arriving = {}
     for li, c in order:
         if lanes[li].parent >= 0:
             arriving[li, c] = dist.irecv(part(li, c), lanes[li].parent, group, tag=lanes[li].tag + 1)
             traffic.recv += part(li, c).numel() * esize
-    for li, c in order:
+    for li, c in inner:
         if (li, c) in arriving:
-            arriving[li, c].wait()
+            arriving.pop((li, c)).wait()
         for child in lanes[li].children:
             link_delay()
             pending.append(dist.isend(part(li, c), child, group, tag=lanes[li].tag + 1))
             traffic.sent += part(li, c).numel() * esize
-    for work in pending:
+    for work in [*arriving.values(), *pending]:
         work.wait()
     return traffic
