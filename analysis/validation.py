@@ -12,6 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+from matplotlib.ticker import NullFormatter  # noqa: E402
 
 from analysis.figures import _save  # noqa: E402
 from analysis.report import markdown_table  # noqa: E402
@@ -49,6 +50,10 @@ def draw(frame: pd.DataFrame, out: Path) -> list[Path]:
     ax.fill_between(line, 0.9 * line, 1.1 * line, color="k", alpha=0.1, label="±10 %")
     ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="measured step time (ms)",
            ylabel="predicted step time (ms)", title="Simulator validation")  # fmt: skip
+    ticks = [t for t in (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000) if lo <= t <= hi]
+    for axis in (ax.xaxis, ax.yaxis):  # plain milliseconds, no labels on minor ticks
+        axis.set_ticks(ticks, [str(t) for t in ticks])
+        axis.set_minor_formatter(NullFormatter())
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
     return _save(fig, out, "validation")

@@ -24,9 +24,11 @@ from testbed.sim.costs import (
     pipelined_tree,
     recursive_doubling,
     ring,
+    two_tree_reduce_broadcast,
 )
 
 LINK = Link(alpha=1e-5, beta=1e-9, gamma=1e-10)
+MIB = 2**20
 NO_GAMMA = Link(alpha=1e-5, beta=1e-9)
 
 
@@ -193,7 +195,7 @@ def synthetic(noise: float = 0.0, seed: int = 0) -> list[dict]:
     for n in (1, 2, 4, 8):
         for m in SIZES:
             add("ring", n, m, ring(n, m), link="1gbit")
-            add("tree", n, m, pipelined_tree(n, m, max(1, -(-m // (1 << 20)))), link="1gbit")
+            add("tree", n, m, two_tree_reduce_broadcast(n, m, 1 << 20), link="1gbit")
             for k in (1, 2):
                 add(f"ps_k{k}", n, m, parameter_server(n, m, servers=k))  # no link key: loopback
     return records
@@ -242,7 +244,7 @@ def test_calibration_leaves_small_messages_out_by_default():
     # Messages within an emulated link's burst pass at memory speed, far under the line.
     records = [dict(r, time_s=r["time_s"] / 20) if r["bytes"] < calibrate.MIN_BYTES else r for r in synthetic()]
     ring_fit = next(f for f in calibrate.fit_records(records) if f.impl == "ring")
-    assert ring_fit.points == 18  # 6 sizes >= 256 KiB at n = 2, 4, 8
+    assert ring_fit.points == 15  # 5 sizes >= 1 MiB at n = 2, 4, 8
     assert ring_fit.beta == pytest.approx(BETA, rel=1e-6) and ring_fit.gm_error < 1e-9
     skewed = next(f for f in calibrate.fit_records(records, min_bytes=0) if f.impl == "ring")
     assert skewed.gm_error > 0.1
@@ -333,3 +335,17 @@ def test_compute_per_sample_warmup_default_is_at_least_one(tmp_path):
 def test_compute_per_sample_without_log(tmp_path):
     with pytest.raises(ValueError, match="job_dir"):
         calibrate.compute_per_sample(tmp_path)
+
+
+def test_the_testbeds_two_tree_all_reduce():
+    # n = 2: every rank is a root or a leaf (k = 1), h = 1: 8 chunk steps per phase, each way once.
+    assert two_tree_reduce_broadcast(2, 16 * MIB, MIB) == Cost(16, 16 * MIB, 8 * MIB)
+    # n = 4: an inner node has k = 2 children, h = 2: 9 steps per phase of 2 chunks on its link.
+    assert two_tree_reduce_broadcast(4, 16 * MIB, MIB) == Cost(18, 36 * MIB, 16 * MIB)
+    # Large M: about M beta at n = 2 and 2 M beta from n = 4 on, whatever n.
+    for n in (4, 64, 1024):
+        t = two_tree_reduce_broadcast(n, 1e9, MIB).time(Link(0.0, 1e-9))
+        assert 2.0 <= t <= 2.05
+    assert two_tree_reduce_broadcast(1, 16 * MIB, MIB) == Cost(0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        two_tree_reduce_broadcast(4, 16 * MIB, 0)

@@ -23,13 +23,14 @@ from typing import Any, Iterable
 import numpy as np
 
 from testbed.results.step_log import metrics_path, read_step_log
-from testbed.sim.costs import Cost, Link, parameter_server, pipelined_tree, ring
+from testbed.sim.costs import Cost, Link, parameter_server, ring, two_tree_reduce_broadcast
 
 DEFAULT_LINK = "loopback"  # records written before the bench kept a link key were all loopback
 TREE_CHUNK_BYTES = 1 << 20  # the bench's default --tree-chunk-kb 1024
-# Smaller messages are left out of fits by default: on emulated links they pass within the
-# shaper's burst (64 KiB or more) at memory speed, which no alpha-beta line describes.
-MIN_BYTES = 256 << 10
+# Smaller messages are left out of fits by default: on emulated links they pass wholly or partly
+# within the shaper's burst (64 KiB, or rate/500: 250 KB at 1 Gbit/s) at memory speed, which no
+# alpha-beta line describes.
+MIN_BYTES = 1 << 20
 FALLBACK_IMPLS = ("native", "ring")
 
 
@@ -63,7 +64,7 @@ def model(record: dict[str, Any], tree_chunk_bytes: int = TREE_CHUNK_BYTES) -> C
     if impl in ("native", "ring"):
         return ring(n, nbytes)
     if impl == "tree":
-        return pipelined_tree(n, nbytes, max(1, math.ceil(nbytes / tree_chunk_bytes)))
+        return two_tree_reduce_broadcast(n, nbytes, tree_chunk_bytes)
     if impl == "grpc_raw":
         return parameter_server(n, nbytes, servers=1)
     match = re.fullmatch(r"ps_k(\d+)", impl)

@@ -130,6 +130,28 @@ def double_binary_tree(n: int, nbytes: float, link: Link) -> Cost:
     return pipelined_tree(n, nbytes, best_chunks(n, nbytes, link))
 
 
+def two_tree_reduce_broadcast(n: int, nbytes: float, chunk_bytes: float) -> Cost:
+    """The testbed's tree all-reduce (testbed.collectives.tree), link by link.
+
+    Two complementary binary trees each carry half of the buffer; the reduce runs to the end, then
+    the broadcast, each pipelined in chunks of ``chunk_bytes``. A rank is an inner node in one tree
+    only, with k = 2 children from n = 4 on (1 below): per phase that rank's link carries its half
+    k times in one direction, and the pipeline adds h - 1 chunk steps of filling. So for large M,
+    2 k (M/2 + (h - 1) s) beta: about M beta at n = 2 and 2 M beta from n = 4, against the ring's
+    2 (n-1)/n M beta.
+    """
+    _check(n, nbytes)
+    if not chunk_bytes > 0:
+        raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+    if n == 1:
+        return ZERO
+    half = nbytes / 2
+    size = min(chunk_bytes, half) or 1.0
+    steps = _height(n) - 1 + math.ceil(half / size)
+    k = 2 if n >= 4 else 1
+    return Cost(2 * steps, 2 * k * steps * size, k * half)
+
+
 def parameter_server(
     n: int, nbytes: float, servers: int = 1, colocated: bool = False, overlap_push_pull: bool = False
 ) -> Cost:

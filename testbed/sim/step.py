@@ -36,7 +36,7 @@ from testbed.netem import parse_rate
 from testbed.paths import config_dir
 from testbed.results.summary import summarize
 from testbed.sim import calibrate
-from testbed.sim.costs import Cost, Link, parameter_server, pipelined_tree, ring
+from testbed.sim.costs import Cost, Link, parameter_server, pipelined_tree, ring, two_tree_reduce_broadcast
 from testbed.sim.events import compute_times, simulate_ps
 from testbed.sync.base import bucket_ends
 
@@ -100,7 +100,9 @@ def collective(cfg: Any) -> Optional[Collective]:
         return Collective("ring", lambda s: ring(n, s))
     if name == "tree":
         chunk = int(sync.chunk_kb) * 1024
-        return Collective("tree", lambda s: pipelined_tree(n, s, max(1, math.ceil(s / chunk))))
+        if not sync.get("double", True):
+            return Collective("tree", lambda s: pipelined_tree(n, s, max(1, math.ceil(s / chunk))))
+        return Collective("tree", lambda s: two_tree_reduce_broadcast(n, s, chunk))
     if name == "ps":
         k = int(sync.servers)
         return Collective(f"ps_k{k}", lambda s: parameter_server(n, s, servers=k))
