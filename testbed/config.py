@@ -233,6 +233,45 @@ class UnevenConfig:
     shares: list[float] = field(default_factory=list)
 
 
+# --- fault group (testbed.faults) ---------------------------------------------------------------
+# One failure, injected at the start of a step (`step`, or drawn from the seed in [1, steps) when
+# null), to check that the run fails cleanly: recorded, named, nothing left behind.
+
+
+@dataclass
+class NoFaultConfig:
+    name: str = "none"
+
+
+@dataclass
+class KillRankConfig:
+    name: str = "kill_rank"
+    rank: int = 1
+    step: Optional[int] = None  # SIGKILL: no chance to flush or say goodbye
+
+
+@dataclass
+class KillPsConfig:
+    name: str = "kill_ps"
+    shard: int = 0
+    step: Optional[int] = None  # rank 0 SIGKILLs the shard's server process
+
+
+@dataclass
+class LinkDownConfig:
+    name: str = "link_down"
+    rank: int = 1
+    step: Optional[int] = None
+    duration_s: float = 60.0  # the rank's emulated link is down this long, then up again
+
+
+@dataclass
+class NanLossConfig:
+    name: str = "nan_loss"  # not "nan": the override parser reads fault=nan as a float
+    rank: int = 0
+    step: Optional[int] = None  # the rank's loss becomes NaN, and so do the gradients it shares
+
+
 # --- network group (testbed.netem) -------------------------------------------------------------
 
 
@@ -278,6 +317,7 @@ class WandbConfig:
 class TimeoutsConfig:
     collective_s: float = 300.0  # every collective and point-to-point wait (process-group timeout)
     rendezvous_s: float = 120.0  # ranks joining the world
+    stall_warn_s: float = 60.0  # rank 0 warns, naming them, while ranks are this late to a step
 
 
 @dataclass
@@ -308,6 +348,7 @@ class Config:
     launcher: Any = MISSING
     imbalance: Any = MISSING
     network: Any = MISSING
+    fault: Any = MISSING
     world_size: int = 1
     steps: int = 50
     warmup_steps: int = 5  # excluded from every summary statistic
@@ -317,6 +358,9 @@ class Config:
     precision: Precision = Precision.fp32
     threads_per_rank: int = 0  # 0: the machine's cores divided among the local ranks
     log_every: int = 0  # progress line on rank 0 every n steps; 0: about ten lines per run
+    # torch.distributed's own diagnostics: TORCH_DISTRIBUTED_DEBUG=DETAIL (collective checks and
+    # desync reports), C++ logs at INFO, NCCL_DEBUG=INFO and NCCL's desync debug.
+    debug: bool = False
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     sim: SimConfig = field(default_factory=SimConfig)
@@ -344,6 +388,13 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
         "uneven": UnevenConfig,
     },
     "network": {"loopback": LoopbackNetworkConfig, "emulated": EmulatedNetworkConfig},
+    "fault": {
+        "none": NoFaultConfig,
+        "kill_rank": KillRankConfig,
+        "kill_ps": KillPsConfig,
+        "link_down": LinkDownConfig,
+        "nan_loss": NanLossConfig,
+    },
 }
 
 
@@ -448,6 +499,7 @@ def validate(cfg: DictConfig, local_world_size: Optional[int] = None) -> None:
 
     _validate_imbalance(cfg)
     _validate_network(cfg)
+    _validate_fault(cfg)
 
     device = enum_value(cfg.device)
     backend = enum_value(cfg.backend)
@@ -555,6 +607,26 @@ def _validate_network(cfg: DictConfig) -> None:
         check_available()
     except NetworkUnavailable as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _validate_fault(cfg: DictConfig) -> None:
+    fault = cfg.fault
+    if fault.name == "none":
+        return
+    steps = int(cfg.steps)
+    if fault.step is not None:
+        _require(0 <= fault.step < steps, f"fault.step={fault.step}: must be in [0, steps={steps}) (null: drawn from the seed)")
+    else:
+        _require(steps >= 2, f"fault={fault.name} with fault.step=null draws a step in [1, steps): needs steps >= 2")
+    if fault.name in ("kill_rank", "link_down", "nan_loss"):
+        _require(0 <= fault.rank < cfg.world_size, f"fault.rank={fault.rank}: must be in [0, world_size={cfg.world_size})")
+    if fault.name == "kill_ps":
+        _require(cfg.sync.name == "ps" and not cfg.sync.addresses,
+                 "fault=kill_ps kills a parameter server the launcher started: use sync=ps (without sync.addresses)")  # fmt: skip
+        _require(0 <= fault.shard < cfg.sync.servers, f"fault.shard={fault.shard}: must be in [0, sync.servers={cfg.sync.servers})")
+    if fault.name == "link_down":
+        _require(cfg.network.name == "emulated", "fault=link_down takes an emulated link down: use network=emulated")
+        _require(fault.duration_s > 0, f"fault.duration_s={fault.duration_s}: must be > 0")
 
 
 def _require(ok: bool, message: str) -> None:

@@ -7,6 +7,7 @@ JSON line per step (testbed.results.step_log). The loop never asks which synchro
 from __future__ import annotations
 
 import logging
+import math
 import time
 from contextlib import nullcontext
 from typing import Any, Callable
@@ -15,9 +16,12 @@ import torch
 import torch.nn.functional as F
 
 from testbed.data import RankBatches
+from testbed.faults import FaultInjector, NonFiniteLoss
 from testbed.imbalance import Injector
+from testbed.launch.stall import Arrivals
 from testbed.results.step_log import StepLog
 from testbed.sync import Synchronizer
+from testbed.sync.base import SyncReport
 from testbed.timing import StepClock, real_compute_time
 from testbed.world import World
 
@@ -44,6 +48,8 @@ class Trainer:
         injector: Injector | None = None,
         loss_weight: float = 1.0,
         on_record: Callable[[dict[str, Any]], None] | None = None,
+        fault: FaultInjector | None = None,
+        arrivals: Arrivals | None = None,
     ) -> None:
         # The model is the synchronizer's (sync.module): a wrapper such as DDP may stand in front of it.
         self.optimizer, self.sync, self.batches = optimizer, sync, batches
@@ -55,6 +61,8 @@ class Trainer:
         self.injector = injector
         self.loss_weight = loss_weight  # != 1 only for uneven shards (testbed.imbalance)
         self.on_record = on_record  # e.g. the W&B mirror, called with each step's record
+        self.fault = fault  # an injected failure (testbed.faults)
+        self.arrivals = arrivals  # names the ranks a failed synchronization waited for (testbed.launch.stall)
 
     def run(self) -> list[dict[str, Any]]:
         device, world, sync = self.world.device, self.world, self.sync
@@ -68,6 +76,8 @@ class Trainer:
         began = time.perf_counter()
         sync.module.train()
         for step in range(self.steps):
+            if self.fault is not None:
+                self.fault.before_step(step)
             clock.start()
             losses, samples = [], 0
             for micro in range(k):
@@ -83,10 +93,12 @@ class Trainer:
                 with sync.micro_step(boundary):
                     with self.autocast:
                         loss = self.loss_fn(sync.module(inputs), targets)
+                        if self.fault is not None:
+                            loss = self.fault.loss(step, loss)
                     clock.mark("forward")
                     (loss * scale if scale != 1.0 else loss).backward()
                     clock.mark("backward")
-                report = sync.after_backward(step, is_boundary=boundary)
+                report = self._synchronize(step, boundary)
                 clock.mark("sync")
                 losses.append(loss.detach())
                 samples += int(inputs.shape[0])
@@ -121,11 +133,26 @@ class Trainer:
                 record["staleness"] = report.staleness
             self.step_log.write(record)
             records.append(record)
+            if not math.isfinite(record["loss"]):  # recorded, then stop: NaN gradients spread to every replica
+                raise NonFiniteLoss(f"rank {world.rank}: loss is {record['loss']} at step {step}")
             if self.on_record is not None:
                 self.on_record(record)
             if world.is_main and ((step + 1) % self.log_every == 0 or step + 1 == self.steps):
                 self._progress(step, record, time.perf_counter() - began)
         return records
+
+    def _synchronize(self, step: int, boundary: bool) -> SyncReport:
+        if self.arrivals is None or not boundary:
+            return self.sync.after_backward(step, is_boundary=boundary)
+        self.arrivals.arrive(step)
+        began = time.monotonic()
+        try:
+            return self.sync.after_backward(step, is_boundary=boundary)
+        except Exception as exc:
+            stall = self.arrivals.stall(step, time.monotonic() - began, exc)
+            if stall is not None:
+                raise stall from exc
+            raise
 
     def _progress(self, step: int, record: dict[str, Any], elapsed: float) -> None:
         done = step + 1

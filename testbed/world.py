@@ -47,8 +47,17 @@ def env_rank_layout() -> tuple[int, int, int, int]:
     return rank, local_rank, world_size, local_world
 
 
-def init_world(device_kind: str, backend: str, timeout_s: float) -> World:
+# `debug=true`: torch.distributed checks every collective's shapes across ranks and reports
+# desynchronized ranks (DETAIL), logs its C++ side, and NCCL explains itself.
+DEBUG_ENV = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "TORCH_CPP_LOG_LEVEL": "INFO", "NCCL_DEBUG": "INFO",
+             "TORCH_NCCL_DESYNC_DEBUG": "1"}  # fmt: skip
+
+
+def init_world(device_kind: str, backend: str, timeout_s: float, debug: bool = False) -> World:
     """Join the process group named by the environment and agree on a clock."""
+    if debug:  # read when the process group is created
+        for key, value in DEBUG_ENV.items():
+            os.environ.setdefault(key, value)
     rank, local_rank, world_size, local_world = env_rank_layout()
     os.environ.setdefault("RANK", str(rank))
     os.environ.setdefault("WORLD_SIZE", str(world_size))

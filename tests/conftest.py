@@ -1,4 +1,4 @@
-"""Helpers shared by the tests: run the real CLI in a subprocess, read a job directory."""
+"""Helpers shared by the tests: run the real CLI in a subprocess, read a job directory, start PS shards."""
 
 from __future__ import annotations
 
@@ -12,7 +12,13 @@ from typing import Any
 import pytest
 import torch
 
+from testbed.ps.client import PsClient
+from testbed.ps.launch import LocalServers
+
 REPO = Path(__file__).resolve().parent.parent
+# Parameter-server shards for the tests: 1 KiB chunks, plain SGD with an exact (power-of-two) step.
+CHUNK_BYTES, LR = 1024, 0.5
+SGD = {"name": "sgd", "lr": LR, "momentum": 0.0, "weight_decay": 0.0, "nesterov": False}
 
 
 def cli_env() -> dict[str, str]:
@@ -63,3 +69,13 @@ def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     return tmp_path
+
+
+def servers(tmp_path: Path, mode: str, workers: int, staleness: int = 2) -> LocalServers:
+    """One local shard process (not started: use as a context manager)."""
+    cfg = {"servers": 1, "mode": mode, "staleness": staleness, "chunk_kb": 1, "host": "127.0.0.1"}
+    return LocalServers(cfg, SGD, workers, tmp_path / "logs")
+
+
+def client(ps: LocalServers, worker: int) -> PsClient:
+    return PsClient(ps.addresses, ps.token, worker, timeout_s=20.0, chunk_bytes=CHUNK_BYTES)

@@ -10,24 +10,14 @@ from typing import Iterator
 import grpc
 import pytest
 import torch
+from conftest import CHUNK_BYTES, LR, client, servers
 
 from testbed.ps import parameter_server_pb2 as pb
 from testbed.ps import parameter_server_pb2_grpc as pb_grpc
 from testbed.ps.client import PsClient, PsError
-from testbed.ps.launch import LocalServers
 from testbed.ps.wire import CHANNEL_OPTIONS, auth_metadata, chunks
 
-NUMEL, CHUNK_BYTES, LR = 1000, 1024, 0.5
-SGD = {"name": "sgd", "lr": LR, "momentum": 0.0, "weight_decay": 0.0, "nesterov": False}
-
-
-def servers(tmp_path: Path, mode: str, workers: int, staleness: int = 2) -> LocalServers:
-    cfg = {"servers": 1, "mode": mode, "staleness": staleness, "chunk_kb": 1, "host": "127.0.0.1"}
-    return LocalServers(cfg, SGD, workers, tmp_path / "logs")
-
-
-def client(ps: LocalServers, worker: int) -> PsClient:
-    return PsClient(ps.addresses, ps.token, worker, timeout_s=20.0, chunk_bytes=CHUNK_BYTES)
+NUMEL = 1000
 
 
 def code_of(call) -> grpc.StatusCode:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from contextlib import ExitStack
@@ -13,14 +14,17 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from testbed import config
+from testbed.faults import PS_PIDS_ENV
 from testbed.launch.existing import surrounding_world
 from testbed.launch.rank import rank_main
 from testbed.launch.spawn import RankFailure, spawn_world
+from testbed.launch.stall import read_stall
 from testbed.netem import EmulatedNetwork
 from testbed.ps.launch import LocalServers
 from testbed.ps.wire import TOKEN_ENV
 from testbed.results.summary import failed_summary, summarize, write_summary
 from testbed.results.table import format_table, summary_row, sync_label
+from testbed.world import DEBUG_ENV
 
 log = logging.getLogger("testbed")
 
@@ -62,7 +66,7 @@ def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path, identity: dict
     log.info("spawning %d rank(s): sync=%s model=%s data=%s -> %s", cfg.world_size, cfg.sync.name,
              cfg.model.name, cfg.data.name, job_dir)  # fmt: skip
     servers = cfg.sync.servers if cfg.sync.name == "ps" and not cfg.sync.addresses else 0
-    env: dict[str, str] = {}
+    env: dict[str, str] = dict(DEBUG_ENV) if cfg.debug else {}  # C++ logging reads its level at import
     try:
         with ExitStack() as stack:  # exits in reverse: servers stop before their network goes
             network = None
@@ -77,6 +81,7 @@ def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path, identity: dict
                 ps = stack.enter_context(LocalServers(plain["sync"], plain["optim"], cfg.world_size, job_dir / "logs", hosts))
                 plain["sync"]["addresses"] = ps.addresses
                 env[TOKEN_ENV] = ps.token  # inherited by the ranks; kept out of the config
+                env[PS_PIDS_ENV] = json.dumps([proc.pid for proc in ps.procs])  # for fault=kill_ps
                 log.info("parameter servers up: %s", ", ".join(ps.addresses))
             results = spawn_world(
                 rank_main, (plain, str(job_dir), identity), cfg.world_size, job_dir / "logs",
@@ -111,11 +116,35 @@ def _with_overrides(job_dir: Path, summary: Optional[dict[str, Any]], hydra_cfg:
 
 
 def _record_failure(job_dir: Path, plain: dict[str, Any], message: str, rank: Optional[int]) -> dict[str, Any]:
-    summary = failed_summary(job_dir, plain, message, rank)
+    error = failure_cause(message, rank, read_stall(job_dir / "logs"))
+    summary = failed_summary(job_dir, plain, error)
     write_summary(job_dir, summary)
-    where = "" if rank is None else f"rank {rank}: "
-    log.error("run failed: %s%s (results so far kept in %s)", where, message, job_dir)
+    where = "" if error["rank"] is None else f"rank {error['rank']}: "
+    log.error("run failed at step %s (%s): %s%s (results so far kept in %s)", error["step"], error["kind"], where,
+              message, job_dir)  # fmt: skip
     return summary
+
+
+def failure_cause(message: str, rank: Optional[int], stall: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """What failed and where: ``kind`` and the rank to blame (for a stall, the first that did not
+    arrive rather than the one that reported it). Peers of a rank that died may report a stall too,
+    later: only a stall that is itself the first failure counts."""
+    if stall is not None and message.startswith("StallError"):
+        return {"message": message, "rank": stall["missing"][0], "kind": "stall", "missing": stall["missing"],
+                "reporter": stall["reporter"]}  # fmt: skip
+    if rank is None:
+        kind = "launch"
+    elif "killed by signal" in message:
+        kind = "killed"
+    elif message.startswith("NonFiniteLoss"):
+        kind = "nonfinite_loss"
+    elif message.startswith("PsError"):
+        kind = "parameter_server"
+    elif "timed out" in message.lower() or "timeout" in message.lower():
+        kind = "timeout"
+    else:
+        kind = "error"
+    return {"message": message, "rank": rank, "kind": kind}
 
 
 def _check_joined(cfg: DictConfig, joined: tuple[int, int, int, int], hydra_cfg: Any, multirun: bool) -> None:
@@ -148,6 +177,7 @@ def _config_failure(cfg: DictConfig, job_dir: Path, message: str, multirun: bool
         sys.exit(2)
     # In a sweep, one bad point is recorded and the sweep goes on with the next job.
     plain = config.to_plain(cfg)
-    summary = summarize(plain, [], status="failed", error={"message": f"config error: {message}", "rank": None})
+    error = {"message": f"config error: {message}", "rank": None, "kind": "config", "step": None}
+    summary = summarize(plain, [], status="failed", error=error)
     write_summary(job_dir, summary)
     return summary

@@ -6,12 +6,15 @@ torchrun and Slurm all compose.
 
 from __future__ import annotations
 
+import _thread
 import hashlib
 import logging
 import os
 import resource
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -22,11 +25,13 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from testbed import config
 from testbed.data import build_data
+from testbed.faults import FaultInjector
 from testbed.imbalance import Injector, loss_weight, shard_batches
+from testbed.launch.stall import Arrivals, StallError
 from testbed.models import build_model, gradient_bytes
 from testbed.netem import enter_rank_namespace
 from testbed.optim import build_optimizer
-from testbed.results.step_log import StepLog, metrics_path
+from testbed.results.step_log import StepLog, flush_open_logs, metrics_path
 from testbed.results.summary import summarize, write_summary
 from testbed.results.wandb_run import WandbRun
 from testbed.sync import build_synchronizer
@@ -44,18 +49,17 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
     ``identity`` names the job for W&B: ``name``, ``group``, ``job_type`` and its ``overrides``.
     """
     cfg = OmegaConf.create(plain_cfg)
-    # The launcher stops surviving ranks with SIGTERM when one fails; exiting through Python runs
-    # the finally blocks, which flush this rank's metrics.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    _exit_on_sigterm()
     enter_rank_namespace()  # network=emulated: before any socket exists
     if cfg.sync.name == "allreduce" and cfg.sync.get("nccl_algo"):
         os.environ["NCCL_ALGO"] = str(cfg.sync.nccl_algo)  # read by NCCL when the communicator is created
-    world = init_world(config.resolved_device(cfg), config.resolved_backend(cfg), cfg.timeouts.collective_s)
+    world = init_world(config.resolved_device(cfg), config.resolved_backend(cfg), cfg.timeouts.collective_s, cfg.debug)
     _configure_logging(world.rank)
     log.info("rank %d/%d pid %d device %s backend %s", world.rank, world.world_size, os.getpid(), world.device, world.backend)
     sync = build_synchronizer(cfg.sync)
     tracker: Optional[WandbRun] = None
     summary: Optional[dict[str, Any]] = None
+    arrivals = Arrivals(world.rank, world.world_size, cfg.timeouts.stall_warn_s) if world.world_size > 1 else None
     try:
         threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // world.local_world_size)
         torch.set_num_threads(threads)
@@ -75,15 +79,21 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
             injector=Injector(cfg.imbalance, world.rank, cfg.seed),
             loss_weight=loss_weight(sizes, world.rank),
             on_record=tracker.log_step if tracker else None,
+            fault=FaultInjector(cfg.fault, world.rank, cfg.seed, cfg.steps), arrivals=arrivals,
         )  # fmt: skip
         try:
             records = trainer.run()
+        except StallError as stall:
+            stall.record(Path(job_dir) / "logs", world.rank)  # the launcher names the missing ranks
+            raise
         finally:
             step_log.close()  # everything written before the exchange (or the crash report)
         sync.finalize()
         summary = _finish(plain_cfg, world, model, sync, step_log, records, Path(job_dir))
         return summary
     finally:
+        if arrivals:
+            arrivals.close()
         if tracker:
             tracker.finish(summary)
         sync.close()
@@ -115,6 +125,25 @@ def _finish(
     summary = summarize(plain_cfg, [g[0] for g in gathered], [g[1] for g in gathered], sync.describe())
     write_summary(job_dir, summary)
     return summary
+
+
+def _exit_on_sigterm(grace_s: float = 3.0) -> None:
+    """The launcher stops surviving ranks with SIGTERM when one fails. A rank running Python exits
+    through its finally blocks, which flush its metrics; one blocked in a collective cannot run a
+    Python handler before the collective times out, so a watcher flushes its metrics and ends it
+    after ``grace_s``. Called before any other thread starts: they all inherit the blocked signal,
+    which only the watcher receives."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+    def watch() -> None:
+        signal.sigwait({signal.SIGTERM})
+        _thread.interrupt_main(signal.SIGTERM)  # runs the handler above in the main thread
+        time.sleep(grace_s)
+        flush_open_logs()
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="testbed-sigterm", daemon=True).start()
 
 
 def param_hash(model: torch.nn.Module) -> str:

@@ -86,7 +86,11 @@ def _launch_environment(log_dir: Path, env: dict[str, str]) -> Iterator[None]:
     tmp = log_dir / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **env}
-    saved_tempdir, saved_env = tempfile.tempdir, {key: os.environ.get(key) for key in env}
+    # torch's compile cache directory is derived from the temporary directory the first time it is
+    # needed (here: when the launcher logs a failed rank) and then pinned in the environment, where
+    # every later launch would inherit a path inside this one's removed tmp: restore it too.
+    restored = [*env, "TORCHINDUCTOR_CACHE_DIR"]
+    saved_tempdir, saved_env = tempfile.tempdir, {key: os.environ.get(key) for key in restored}
     tempfile.tempdir = str(tmp)
     os.environ.update(env)
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ class StepLog:
         self.flush_s = flush_s
         self._file = open(path, "w")
         self._next_flush = time.monotonic() + flush_s
+        _OPEN.add(self)
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")
@@ -55,6 +57,16 @@ class StepLog:
         with open(tmp, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
         os.replace(tmp, self.path)
+
+
+_OPEN: "weakref.WeakSet[StepLog]" = weakref.WeakSet()
+
+
+def flush_open_logs() -> None:
+    """Flush every open step log: for a process about to end without running its finally blocks."""
+    for step_log in list(_OPEN):
+        if not step_log._file.closed:
+            step_log._file.flush()
 
 
 def read_step_log(path: Path) -> list[dict[str, Any]]:

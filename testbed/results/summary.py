@@ -148,14 +148,17 @@ def summarize(
     return summary
 
 
-def failed_summary(job_dir: Path, cfg: dict[str, Any], message: str, rank: Optional[int]) -> dict[str, Any]:
-    """Summary of a run that did not finish, from whatever step records its ranks wrote."""
+def failed_summary(job_dir: Path, cfg: dict[str, Any], error: dict[str, Any]) -> dict[str, Any]:
+    """Summary of a run that did not finish, from whatever step records its ranks wrote; ``error``
+    gains ``step``, the step in progress when it failed (the steps every rank completed)."""
     records = [read_step_log(metrics_path(job_dir, r)) for r in range(int(cfg["world_size"]))]
     records = [recs for recs in records if recs]
     if records:
         cls = REGISTRY.get(cfg["sync"]["name"])
         fill_wait(records, waits_for_peers=bool(cls and cls.waits_for_peers))
-    return summarize(cfg, records, status="failed", error={"message": message, "rank": rank})
+    summary = summarize(cfg, records, status="failed", error=error)
+    error["step"] = summary["steps"]
+    return summary
 
 
 def write_summary(job_dir: Path, summary: dict[str, Any]) -> Path:
