@@ -334,9 +334,6 @@ def test_uninitialised_shard_refuses_malformed_init(live: Live, stream: list[Fie
     live.assert_unchanged()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="server bug: InitParams allocates the size it is told before checking the stream; "
-                          "a size torch cannot allocate raises RuntimeError, answered as UNKNOWN")  # fmt: skip
 def test_huge_init_size_is_refused(live: Live) -> None:
     require_uninitialised(live)
     chunk = Fields(worker=0, shard=0, offset=0, length=1, dtype=pb.FLOAT32, step=2**62, data=bytes(4))
@@ -390,9 +387,6 @@ def test_malformed_unary_requests_are_refused(ready: Live, data: st.DataObject) 
     ready.assert_unchanged()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="server bug: gRPC answers a request it cannot parse with INTERNAL before the service "
-                          "sees it (the unary handlers use plain FromString)")  # fmt: skip
 @pytest.mark.parametrize("method", ["Register", "Pull", "Clock", "Stats"])
 def test_undecodable_unary_request_is_refused(ready: Live, method: str) -> None:
     assert ready.send(method, b"\x08") == INVALID  # field 1 with its varint cut off

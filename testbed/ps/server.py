@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from omegaconf import OmegaConf
 
@@ -96,7 +97,10 @@ class Shard:
             if first.dtype not in FROM_WIRE or first.step == 0:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "InitParams: need a dtype and the shard size in step")
             numel, dtype = int(first.step), FROM_WIRE[first.dtype]
-            values = torch.empty(numel, dtype=dtype)
+            try:  # the size is the client's word: one that cannot be held is a bad request, not a crash
+                values = torch.empty(numel, dtype=dtype)
+            except (RuntimeError, MemoryError):
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"InitParams: cannot hold {numel} elements of {dtype}") from None
             expected = 0
             for chunk in _chain(first, stream):
                 self._check_chunk(chunk, expected, numel, dtype, worker_bound=1)
@@ -307,7 +311,7 @@ class Servicer(pb_grpc.ParameterServerServicer):
             context.abort(refused.code, str(refused))
 
     def Register(self, request, context):  # noqa: N802 (gRPC method names)
-        return self._guard(context, lambda: self.shard.register(request.worker))
+        return self._guard(context, lambda: self.shard.register(_parsed(request).worker))
 
     def InitParams(self, request_iterator, context):  # noqa: N802
         return self._guard(context, lambda: self.shard.init_params(request_iterator))
@@ -317,21 +321,45 @@ class Servicer(pb_grpc.ParameterServerServicer):
 
     def Pull(self, request, context):  # noqa: N802
         try:
-            yield from self.shard.pull(request, context)
+            yield from self.shard.pull(_parsed(request), context)
         except Refused as refused:
             with self.shard.cond:
                 self.shard.stats["rejected"] += 1
             context.abort(refused.code, str(refused))
 
     def Clock(self, request, context):  # noqa: N802
-        return self._guard(context, lambda: self.shard.clock(request))
+        return self._guard(context, lambda: self.shard.clock(_parsed(request)))
 
     def Stats(self, request, context):  # noqa: N802
+        self._guard(context, lambda: _parsed(request))
         return self.shard.stats_reply()
 
     def Shutdown(self, request, context):  # noqa: N802
+        self._guard(context, lambda: _parsed(request))
         threading.Thread(target=self._stop, daemon=True).start()  # reply first, then stop
         return pb.ShutdownReply()
+
+
+class _Undecodable:
+    """A unary request whose bytes did not parse: refused by the service, counted like any other."""
+
+
+def _lenient(message: Any) -> Callable[[bytes], Any]:
+    """A request parser that never raises: gRPC would answer a parse error INTERNAL, uncounted."""
+
+    def parse(raw: bytes) -> Any:
+        try:
+            return message.FromString(raw)
+        except DecodeError:
+            return _Undecodable()
+
+    return parse
+
+
+def _parsed(request: Any) -> Any:
+    if isinstance(request, _Undecodable):
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "request bytes do not parse")
+    return request
 
 
 def add_servicer(servicer: Servicer, server: grpc.Server) -> None:
@@ -339,13 +367,13 @@ def add_servicer(servicer: Servicer, server: grpc.Server) -> None:
     their payload, chunks out are encoded with one copy (testbed.ps.wire)."""
     std = grpc.unary_unary_rpc_method_handler
     handlers = {
-        "Register": std(servicer.Register, pb.RegisterRequest.FromString, pb.ShardInfo.SerializeToString),
+        "Register": std(servicer.Register, _lenient(pb.RegisterRequest), pb.ShardInfo.SerializeToString),
         "InitParams": grpc.stream_unary_rpc_method_handler(servicer.InitParams, decode_chunk, pb.ShardInfo.SerializeToString),
         "Push": grpc.stream_unary_rpc_method_handler(servicer.Push, decode_chunk, pb.PushReply.SerializeToString),
-        "Pull": grpc.unary_stream_rpc_method_handler(servicer.Pull, pb.PullRequest.FromString, passthrough),
-        "Clock": std(servicer.Clock, pb.ClockRequest.FromString, pb.ClockReply.SerializeToString),
-        "Stats": std(servicer.Stats, pb.StatsRequest.FromString, pb.StatsReply.SerializeToString),
-        "Shutdown": std(servicer.Shutdown, pb.ShutdownRequest.FromString, pb.ShutdownReply.SerializeToString),
+        "Pull": grpc.unary_stream_rpc_method_handler(servicer.Pull, _lenient(pb.PullRequest), passthrough),
+        "Clock": std(servicer.Clock, _lenient(pb.ClockRequest), pb.ClockReply.SerializeToString),
+        "Stats": std(servicer.Stats, _lenient(pb.StatsRequest), pb.StatsReply.SerializeToString),
+        "Shutdown": std(servicer.Shutdown, _lenient(pb.ShutdownRequest), pb.ShutdownReply.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
 
