@@ -9,7 +9,9 @@ one line that names the field, the allowed values and the fix.
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -314,6 +316,12 @@ class WandbConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every: int = 0  # steps between checkpoints (testbed.checkpoint); 0: none
+    keep: int = 2  # newest checkpoints kept
+
+
+@dataclass
 class TimeoutsConfig:
     collective_s: float = 300.0  # every collective and point-to-point wait (process-group timeout)
     rendezvous_s: float = 120.0  # ranks joining the world
@@ -362,6 +370,8 @@ class Config:
     # desync reports), C++ logs at INFO, NCCL_DEBUG=INFO and NCCL's desync debug.
     debug: bool = False
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resume: Optional[str] = None  # a job directory whose latest checkpoint this run continues
     wandb: WandbConfig = field(default_factory=WandbConfig)
     sim: SimConfig = field(default_factory=SimConfig)
 
@@ -500,6 +510,7 @@ def validate(cfg: DictConfig, local_world_size: Optional[int] = None) -> None:
     _validate_imbalance(cfg)
     _validate_network(cfg)
     _validate_fault(cfg)
+    _validate_checkpoint(cfg)
 
     device = enum_value(cfg.device)
     backend = enum_value(cfg.backend)
@@ -627,6 +638,27 @@ def _validate_fault(cfg: DictConfig) -> None:
     if fault.name == "link_down":
         _require(cfg.network.name == "emulated", "fault=link_down takes an emulated link down: use network=emulated")
         _require(fault.duration_s > 0, f"fault.duration_s={fault.duration_s}: must be > 0")
+
+
+def _validate_checkpoint(cfg: DictConfig) -> None:
+    from testbed import checkpoint
+
+    _require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0 (0: no checkpoints)")
+    _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
+    if cfg.checkpoint.every or cfg.resume:
+        _require(cfg.sync.name != "ps", "checkpoint/resume: the parameter servers' state is not checkpointed; "
+                                        "use an all-reduce synchronizer or drop checkpoint.every and resume")  # fmt: skip
+    if not cfg.resume:
+        return
+    resumed = Path(cfg.resume)
+    found = checkpoint.latest(resumed)
+    _require(found is not None, f"resume={cfg.resume}: no complete checkpoint there (run it with checkpoint.every > 0)")
+    summary = resumed / "summary.json"
+    _require(summary.exists(), f"resume={cfg.resume}: no summary.json to compare the config with")
+    differ = checkpoint.mismatches(to_plain(cfg), json.loads(summary.read_text())["config"])
+    _require(not differ, f"resume={cfg.resume}: the config differs in {', '.join(differ)}; resume with the same settings")
+    step = checkpoint.checkpoint_step(found)
+    _require(step + 1 < cfg.steps, f"resume={cfg.resume}: its checkpoint is after step {step}; steps={cfg.steps} leaves nothing to run")
 
 
 def _require(ok: bool, message: str) -> None:

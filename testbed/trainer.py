@@ -50,6 +50,8 @@ class Trainer:
         on_record: Callable[[dict[str, Any]], None] | None = None,
         fault: FaultInjector | None = None,
         arrivals: Arrivals | None = None,
+        start_step: int = 0,
+        after_step: Callable[[int], None] | None = None,
     ) -> None:
         # The model is the synchronizer's (sync.module): a wrapper such as DDP may stand in front of it.
         self.optimizer, self.sync, self.batches = optimizer, sync, batches
@@ -63,6 +65,8 @@ class Trainer:
         self.on_record = on_record  # e.g. the W&B mirror, called with each step's record
         self.fault = fault  # an injected failure (testbed.faults)
         self.arrivals = arrivals  # names the ranks a failed synchronization waited for (testbed.launch.stall)
+        self.start_step = start_step  # > 0 when resuming from a checkpoint (testbed.checkpoint)
+        self.after_step = after_step  # e.g. the periodic checkpoint, called with each completed step
 
     def run(self) -> list[dict[str, Any]]:
         device, world, sync = self.world.device, self.world, self.sync
@@ -75,7 +79,7 @@ class Trainer:
         scale = self.loss_weight / k
         began = time.perf_counter()
         sync.module.train()
-        for step in range(self.steps):
+        for step in range(self.start_step, self.steps):
             if self.fault is not None:
                 self.fault.before_step(step)
             clock.start()
@@ -137,6 +141,8 @@ class Trainer:
                 raise NonFiniteLoss(f"rank {world.rank}: loss is {record['loss']} at step {step}")
             if self.on_record is not None:
                 self.on_record(record)
+            if self.after_step is not None:
+                self.after_step(step)
             if world.is_main and ((step + 1) % self.log_every == 0 or step + 1 == self.steps):
                 self._progress(step, record, time.perf_counter() - began)
         return records
@@ -156,7 +162,7 @@ class Trainer:
 
     def _progress(self, step: int, record: dict[str, Any], elapsed: float) -> None:
         done = step + 1
-        eta = elapsed / done * (self.steps - done)
+        eta = elapsed / (done - self.start_step) * (self.steps - done)
         bar = "#" * (20 * done // self.steps)
         log.info(
             "[%-20s] step %d/%d  loss %.4f  step %.1f ms  sync %.1f ms  elapsed %.1fs  eta %.1fs",

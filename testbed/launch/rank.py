@@ -16,14 +16,14 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from testbed import config
+from testbed import checkpoint, config
 from testbed.data import build_data
 from testbed.faults import FaultInjector
 from testbed.imbalance import Injector, loss_weight, shard_batches
@@ -69,20 +69,31 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
         batches.to(world.device)
         model = build_model(cfg.model, spec).to(world.device)
         optimizer = build_optimizer(cfg.optim, model.parameters())
+        injector = Injector(cfg.imbalance, world.rank, cfg.seed)
+        resumed, earlier, state = 0, [], None
+        if cfg.resume:  # parameters and optimizer before the synchronizer shares the model
+            done, state = checkpoint.load(Path(cfg.resume), world.rank)
+            checkpoint.restore_training(state, model, optimizer)
+            resumed, earlier = done + 1, checkpoint.earlier_records(Path(cfg.resume), world.rank, done)
         sync.setup(model, optimizer, world)
         if world.is_main:  # the process group and the parameter servers are up
             tracker = WandbRun(cfg.wandb, plain_cfg, Path(job_dir), identity)
         step_log = StepLog(metrics_path(Path(job_dir), world.rank))
+        for record in earlier:
+            step_log.write(record)
         trainer = Trainer(
             optimizer, sync, batches, world, step_log, cfg.steps,
-            bf16=cfg.precision == "bf16", log_every=cfg.log_every,
-            injector=Injector(cfg.imbalance, world.rank, cfg.seed),
+            bf16=cfg.precision == "bf16", log_every=cfg.log_every, injector=injector,
             loss_weight=loss_weight(sizes, world.rank),
             on_record=tracker.log_step if tracker else None,
             fault=FaultInjector(cfg.fault, world.rank, cfg.seed, cfg.steps), arrivals=arrivals,
+            start_step=resumed,
+            after_step=_checkpointer(cfg, Path(job_dir), world.rank, model, optimizer, injector, step_log),
         )  # fmt: skip
+        if state is not None:
+            checkpoint.restore_rng(state, injector.rng)
         try:
-            records = trainer.run()
+            records = earlier + trainer.run()
         except StallError as stall:
             stall.record(Path(job_dir) / "logs", world.rank)  # the launcher names the missing ranks
             raise
@@ -125,6 +136,24 @@ def _finish(
     summary = summarize(plain_cfg, [g[0] for g in gathered], [g[1] for g in gathered], sync.describe())
     write_summary(job_dir, summary)
     return summary
+
+
+def _checkpointer(
+    cfg: Any, job_dir: Path, rank: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, injector: Injector,
+    step_log: StepLog,
+) -> Optional[Callable[[int], None]]:
+    """Saves a checkpoint after every ``checkpoint.every`` steps but the last (the run's end is its
+    result), with the step records up to it flushed: a resumed run takes them over."""
+    every, keep, steps = int(cfg.checkpoint.every), int(cfg.checkpoint.keep), int(cfg.steps)
+    if not every:
+        return None
+
+    def after(step: int) -> None:
+        if (step + 1) % every == 0 and step + 1 < steps:
+            step_log.flush()
+            checkpoint.save(job_dir, step, rank, keep, checkpoint.rank_state(model, optimizer, injector.rng))
+
+    return after
 
 
 def _exit_on_sigterm(grace_s: float = 3.0) -> None:

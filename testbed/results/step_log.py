@@ -45,6 +45,10 @@ class StepLog:
             self._file.flush()
             self._next_flush = now + self.flush_s
 
+    def flush(self) -> None:
+        self._file.flush()
+        self._next_flush = time.monotonic() + self.flush_s
+
     def close(self) -> None:
         """Flush and close (idempotent)."""
         if not self._file.closed:

@@ -1,0 +1,111 @@
+"""Periodic checkpoints, and resuming a run from the latest one (``checkpoint`` and ``resume``).
+
+A checkpoint after step s holds, per rank, what the steps after s depend on: parameters,
+optimizer state and the random generators (torch's, Python's, the imbalance injector's). The data
+position needs nothing: a rank's batch is a function of (seed, step) (testbed.data). Every rank
+writes its own file; once all have (a barrier), rank 0 points ``latest`` at the new checkpoint and
+removes the oldest beyond ``checkpoint.keep``. A run killed while writing leaves ``latest`` on the
+previous complete checkpoint.
+
+``resume=<job dir>`` starts a new job from that directory's latest checkpoint: the step records
+before it are copied into the new job's metrics, so the new job's results cover the whole run. For
+synchronous modes the resumed run ends bitwise equal to an uninterrupted one (tested).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from testbed.results.step_log import metrics_path, read_step_log
+
+DIR, LATEST = "checkpoints", "latest"
+# Config that may differ between a run and its resumption: how it runs, not what it computes.
+RUN_ONLY = ("steps", "warmup_steps", "checkpoint", "resume", "fault", "timeouts", "launcher", "wandb", "debug",
+            "log_every", "sim")  # fmt: skip
+
+
+def step_dir(job_dir: Path, step: int) -> Path:
+    return job_dir / DIR / f"step{step:07d}"
+
+
+def latest(job_dir: Path) -> Optional[Path]:
+    """The newest complete checkpoint of ``job_dir`` (None if there is none)."""
+    pointer = job_dir / DIR / LATEST
+    if not pointer.exists():
+        return None
+    path = job_dir / DIR / pointer.read_text().strip()
+    return path if path.is_dir() else None
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(path.name.removeprefix("step"))
+
+
+def save(job_dir: Path, step: int, rank: int, keep: int, state: dict[str, Any]) -> None:
+    """Write this rank's state after ``step``; collective: every rank calls it at the same step."""
+    target = step_dir(job_dir, step)
+    target.mkdir(parents=True, exist_ok=True)
+    tmp = target / f"rank{rank}.pt.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, target / f"rank{rank}.pt")
+    dist.barrier()  # every rank's file is complete
+    if rank == 0:
+        pointer = job_dir / DIR / LATEST
+        (job_dir / DIR / "latest.tmp").write_text(target.name)
+        os.replace(job_dir / DIR / "latest.tmp", pointer)
+        for old in sorted(p for p in (job_dir / DIR).glob("step*") if p.is_dir())[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def rank_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, injector_rng: random.Random) -> dict[str, Any]:
+    state = {
+        "model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+        "optimizer": optimizer.state_dict(),
+        "torch_rng": torch.get_rng_state(),
+        "python_rng": random.getstate(),
+        "injector_rng": injector_rng.getstate(),
+    }
+    if torch.cuda.is_available():
+        state["cuda_rng"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_training(state: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Parameters and optimizer state: before the synchronizer shares the model."""
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+
+
+def restore_rng(state: dict[str, Any], injector_rng: random.Random) -> None:
+    """The generators: last, where the interrupted run had them before its next step."""
+    torch.set_rng_state(state["torch_rng"])
+    random.setstate(state["python_rng"])
+    injector_rng.setstate(state["injector_rng"])
+    if "cuda_rng" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
+
+
+def load(resume_dir: Path, rank: int) -> tuple[int, dict[str, Any]]:
+    """(the step the checkpoint was taken after, this rank's state)."""
+    path = latest(resume_dir)
+    if path is None:
+        raise FileNotFoundError(f"resume={resume_dir}: no complete checkpoint")
+    return checkpoint_step(path), torch.load(path / f"rank{rank}.pt", weights_only=False)
+
+
+def earlier_records(resume_dir: Path, rank: int, upto: int) -> list[dict[str, Any]]:
+    """This rank's step records of the resumed run, steps 0..upto."""
+    return [r for r in read_step_log(metrics_path(resume_dir, rank)) if r["step"] <= upto]
+
+
+def mismatches(cfg: dict[str, Any], resumed: dict[str, Any]) -> list[str]:
+    """The config keys (besides RUN_ONLY) in which a run differs from the one it resumes."""
+    keys = (set(cfg) | set(resumed)) - set(RUN_ONLY)
+    return sorted(k for k in keys if cfg.get(k) != resumed.get(k))

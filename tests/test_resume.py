@@ -1,0 +1,63 @@
+"""Checkpoint and resume: a run killed mid-way and resumed from its latest checkpoint ends bitwise
+equal to one that was never interrupted, and its results cover the whole run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import read_json, read_jsonl, run_cli
+
+from testbed import checkpoint
+
+RUN = ["world_size=2", "steps=12", "warmup_steps=1", "launcher.echo_rank0=false"]
+
+
+def run(tmp_path: Path, name: str, overrides: list[str], expect: int = 0) -> Path:
+    job = tmp_path / name
+    proc = run_cli([*RUN, *overrides, f"hydra.run.dir={job}"], cwd=tmp_path)
+    assert proc.returncode == expect, proc.stderr[-3000:]
+    return job
+
+
+@pytest.mark.parametrize("sync", ["allreduce", "ring", "local_sgd"])
+def test_a_resumed_run_ends_bitwise_equal_to_an_uninterrupted_one(tmp_path: Path, sync: str) -> None:
+    # Momentum makes the optimizer state matter; local SGD keeps one replica per rank.
+    setting = [f"sync={sync}", "optim.momentum=0.9"] + (["sync.period=3"] if sync == "local_sgd" else [])
+    whole = read_json(run(tmp_path, "whole", setting) / "summary.json")
+    killed = run(tmp_path, "killed", [*setting, "checkpoint.every=4", "fault=kill_rank", "fault.step=9"], expect=1)
+    assert checkpoint.checkpoint_step(checkpoint.latest(killed)) == 7  # after steps 3 and 7; killed in step 9
+    resumed_dir = run(tmp_path, "resumed", [*setting, f"resume={killed}"])
+    resumed = read_json(resumed_dir / "summary.json")
+    assert resumed["status"] == "ok" and resumed["steps"] == 12
+    assert resumed["param_hash"] == whole["param_hash"]  # every rank's replica, bitwise
+    for rank in (0, 1):
+        records = read_jsonl(resumed_dir / "metrics" / f"rank{rank}.jsonl")
+        assert [r["step"] for r in records] == list(range(12))
+        assert [r["loss"] for r in records] == [r["loss"] for r in read_jsonl(tmp_path / "whole" / "metrics" / f"rank{rank}.jsonl")]
+
+
+def test_checkpoints_keep_the_newest(tmp_path: Path) -> None:
+    job = run(tmp_path, "job", ["checkpoint.every=2", "checkpoint.keep=2"])
+    kept = sorted(p.name for p in (job / "checkpoints").glob("step*"))
+    assert kept == ["step0000007", "step0000009"]  # after steps 1, 3, ..., 9; none after the last
+    assert checkpoint.latest(job).name == "step0000009"
+    assert sorted(p.name for p in (job / "checkpoints" / "step0000009").iterdir()) == ["rank0.pt", "rank1.pt"]
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["resume={job}", "optim.lr=0.5"], "the config differs in optim"),
+        (["resume={empty}"], "no complete checkpoint there"),
+        (["sync=ps", "checkpoint.every=2"], "the parameter servers' state is not checkpointed"),
+        (["checkpoint.keep=0"], "checkpoint.keep=0: must be >= 1"),
+    ],
+)
+def test_bad_resume_configs_fail_before_anything_starts(tmp_path: Path, overrides: list[str], message: str) -> None:
+    job = run(tmp_path, "job", ["checkpoint.every=4"]) if any("{job}" in o for o in overrides) else None
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    args = [o.format(job=job, empty=empty) for o in overrides]
+    proc = run_cli([*RUN, *args], cwd=tmp_path)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
