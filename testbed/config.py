@@ -125,6 +125,11 @@ class PsSyncConfig(SyncBase):
     # Push each shard during backward as soon as all its gradients are ready. A shard is pushed
     # whole, so the granularity is the shard: with one server nothing is ready before backward ends.
     overlap: bool = False
+    # TLS between workers and servers (PEM files): the servers' certificate and key, and the
+    # authority that signed it, which workers verify the servers' addresses against.
+    tls_cert: Optional[str] = None
+    tls_key: Optional[str] = None
+    tls_ca: Optional[str] = None
 
 
 # --- model group ------------------------------------------------------------------------------
@@ -552,6 +557,13 @@ def _validate_ps(cfg: DictConfig) -> None:
         resolved_device(cfg) == "cpu",
         "sync=ps exchanges host memory: use device=cpu (staging CUDA tensors through the host is not built yet)",
     )
+    given = {k: ps.get(k) for k in ("tls_cert", "tls_key", "tls_ca")}
+    if any(given.values()):
+        missing = [k for k, v in given.items() if not v and (k == "tls_ca" or not ps.addresses)]
+        _require(not missing, f"sync.{', sync.'.join(missing)}: TLS needs the servers' certificate and key (servers "
+                              "started here) and the authority workers verify them with (tls_ca)")  # fmt: skip
+        absent = [f"sync.{k}={v}" for k, v in given.items() if v and not Path(v).is_file()]
+        _require(not absent, f"{', '.join(absent)}: no such file")
 
 
 def _validate_imbalance(cfg: DictConfig) -> None:

@@ -23,7 +23,11 @@ def composed(overrides: list[str]):
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
 def test_every_option_composes_and_validates(group: str, option: str) -> None:
-    extra = {"model=transformer": ["data=lm"], "data=lm": ["model=transformer"]}.get(f"{group}={option}", [])
+    extra = {
+        "model=transformer": ["data=lm"], "data=lm": ["model=transformer"],
+        "fault=kill_rank": ["world_size=2"], "fault=kill_ps": ["sync=ps"],
+        "fault=link_down": ["world_size=2", "network=emulated"],
+    }.get(f"{group}={option}", [])  # fmt: skip
     cfg = composed([f"{group}={option}", *extra])
     # A variant (ps_async) is its schema's option (ps) with other defaults, named <option>_<what>.
     assert cfg[group].name == option or option.startswith(f"{cfg[group].name}_")
@@ -111,9 +115,15 @@ PRESETS = sorted(p.stem for p in (Path(config_dir()) / "experiment").glob("*.yam
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_every_preset_composes_and_validates_every_point(preset: str) -> None:
+def test_every_preset_composes_and_validates_every_point(preset: str, tmp_path: Path) -> None:
     text = (Path(config_dir()) / "experiment" / f"{preset}.yaml").read_text()
-    assert text.startswith("# @package _global_") and f"python -m testbed +experiment={preset}" in text
+    assert text.startswith("# @package _global_")
+    if f"python -m testbed.sim +experiment={preset}" in text:  # simulated: every point is predicted, in seconds
+        proc = run_cli([f"+experiment={preset}", "steps=4", "warmup_steps=1", f"hydra.sweep.dir={tmp_path}"],
+                       cwd=tmp_path, module="testbed.sim")  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return
+    assert f"python -m testbed +experiment={preset}" in text
     try:
         check_command_line([f"+experiment={preset}"])  # composes every point of its sweep and validates it
     except ConfigError as exc:

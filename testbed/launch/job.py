@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from testbed import config
 from testbed.faults import PS_PIDS_ENV
-from testbed.launch.existing import surrounding_world
+from testbed.launch.existing import in_submitit_job, surrounding_world
 from testbed.launch.rank import rank_main
 from testbed.launch.spawn import RankFailure, spawn_world
 from testbed.launch.stall import read_stall
@@ -33,12 +33,16 @@ def run_job(cfg: DictConfig) -> Optional[dict[str, Any]]:
     hydra_cfg = HydraConfig.get()
     job_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    joined: Optional[tuple[int, int, int, int]] = None
     try:
         joined = surrounding_world()
         if joined is not None:
             _check_joined(cfg, joined, hydra_cfg, multirun)
         config.validate(cfg, local_world_size=joined[3] if joined else None)
     except config.ConfigError as exc:
+        if multirun and joined is not None and joined[0] != 0:  # every rank of the point sees it; rank 0 records it
+            print(f"config error: {exc}", file=sys.stderr, flush=True)
+            return None
         return _with_overrides(job_dir, _config_failure(cfg, job_dir, str(exc), multirun), hydra_cfg)
 
     plain = config.to_plain(cfg)
@@ -149,12 +153,17 @@ def failure_cause(message: str, rank: Optional[int], stall: Optional[dict[str, A
 
 def _check_joined(cfg: DictConfig, joined: tuple[int, int, int, int], hydra_cfg: Any, multirun: bool) -> None:
     _, _, world_size, _ = joined
-    if multirun:
+    # A submitit job is one sweep point of a multirun, its tasks the ranks; its job dir is the
+    # sweep's, resolved once at submission and shared by every task.
+    submitit = in_submitit_job()
+    if multirun and not submitit:
         raise config.ConfigError("inside torchrun/Slurm one process is one rank: drop -m/--multirun (sweep outside)")
     if cfg.world_size != world_size:
+        fix = f"set world_size={world_size}"
+        if submitit:
+            fix = f"set hydra.launcher.tasks_per_node so that nodes x tasks_per_node = {cfg.world_size}"
         raise config.ConfigError(
-            f"world_size={cfg.world_size} but the surrounding torchrun/Slurm world has {world_size} ranks; "
-            f"set world_size={world_size}"
+            f"world_size={cfg.world_size} but the surrounding torchrun/Slurm world has {world_size} ranks; {fix}"
         )
     if cfg.network.name == "emulated":
         raise config.ConfigError(
@@ -165,7 +174,7 @@ def _check_joined(cfg: DictConfig, joined: tuple[int, int, int, int], hydra_cfg:
             "sync=ps inside torchrun/Slurm: start the servers with python -m testbed.ps.server and pass "
             "sync.addresses=[host:port,...] (and TESTBED_PS_TOKEN on servers and workers)"
         )
-    if world_size > 1 and not any(o.startswith("hydra.run.dir=") for o in hydra_cfg.overrides.hydra):
+    if world_size > 1 and not submitit and not any(o.startswith("hydra.run.dir=") for o in hydra_cfg.overrides.hydra):
         raise config.ConfigError(
             "inside torchrun/Slurm every rank must write to one job directory: pass hydra.run.dir=<shared path>"
         )

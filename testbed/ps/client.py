@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 import grpc
 import torch
@@ -17,7 +17,6 @@ from testbed.netem.latency import link_delay
 from testbed.ps import parameter_server_pb2 as pb
 from testbed.ps import parameter_server_pb2_grpc as pb_grpc
 from testbed.ps.wire import (
-    CHANNEL_OPTIONS,
     SERVICE,
     auth_metadata,
     byte_view,
@@ -25,6 +24,7 @@ from testbed.ps.wire import (
     decode_chunk,
     encoded_chunks,
     keep_freed_memory,
+    open_channel,
     passthrough,
 )  # fmt: skip
 
@@ -43,11 +43,13 @@ class PullResult:
 
 
 class PsClient:
-    def __init__(self, addresses: list[str], token: str, worker: int, timeout_s: float, chunk_bytes: int) -> None:
+    def __init__(
+        self, addresses: list[str], token: str, worker: int, timeout_s: float, chunk_bytes: int, tls_ca: Optional[str] = None
+    ) -> None:
         self.addresses, self.worker, self.timeout_s, self.chunk_bytes = addresses, worker, timeout_s, chunk_bytes
         keep_freed_memory()
         self.metadata = auth_metadata(token)
-        self.channels = [grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in addresses]
+        self.channels = [open_channel(a, tls_ca) for a in addresses]
         self.stubs = [pb_grpc.ParameterServerStub(c) for c in self.channels]
         # The tensor-carrying calls take the fast path: pre-encoded chunks out, zero-copy decode in.
         self._init = [c.stream_unary(f"/{SERVICE}/InitParams", passthrough, pb.ShardInfo.FromString) for c in self.channels]

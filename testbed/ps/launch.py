@@ -16,12 +16,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from testbed.ps.wire import TOKEN_ENV
+from testbed.ps.wire import TOKEN_ENV, open_channel, tls_of
 
 
 class ServerStartError(RuntimeError):
@@ -72,6 +72,9 @@ class LocalServers:
                 "--optim", json.dumps(self.optim_cfg), "--host", host, "--port", "0",
                 "--port-file", str(port_file), "--chunk-kb", str(self.sync_cfg["chunk_kb"]),
             ]  # fmt: skip
+            cert, key, _ = tls_of(self.sync_cfg)
+            if cert:
+                cmd += ["--tls-cert", cert, "--tls-key", key]
             log = open(self.log_dir / f"ps{shard}.log", "w")
             self.procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
             log.close()
@@ -88,7 +91,7 @@ class LocalServers:
         if self.hosts is not None:
             return
         for shard, address in enumerate(self.addresses):
-            wait_healthy(address, max(1.0, deadline - time.monotonic()), f"ps shard {shard}")
+            wait_healthy(address, max(1.0, deadline - time.monotonic()), f"ps shard {shard}", tls_of(self.sync_cfg)[2])
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Terminate every shard (SIGTERM, then SIGKILL after ``grace_s``) and reap it."""
@@ -104,10 +107,10 @@ class LocalServers:
                 proc.wait()
 
 
-def wait_healthy(address: str, timeout_s: float, name: str) -> None:
+def wait_healthy(address: str, timeout_s: float, name: str, tls_ca: Optional[str] = None) -> None:
     """Block until ``address`` reports SERVING on the standard gRPC health service."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, tls_ca) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:

@@ -426,7 +426,11 @@ def serve(args: argparse.Namespace) -> None:
 
     add_servicer(Servicer(shard, stop), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    if args.tls_cert:  # the certificate the workers verify against their certificate authority
+        key, cert = Path(args.tls_key).read_bytes(), Path(args.tls_cert).read_bytes()
+        port = server.add_secure_port(f"{args.host}:{args.port}", grpc.ssl_server_credentials([(key, cert)]))
+    else:
+        port = server.add_insecure_port(f"{args.host}:{args.port}")
     if port == 0:
         raise SystemExit(f"ps shard {args.shard}: cannot bind {args.host}:{args.port}")
     server.start()
@@ -454,7 +458,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     parser.add_argument("--port-file", default="", help="write the bound port here once serving")
     parser.add_argument("--chunk-kb", type=int, default=1024, help="pull chunk size")
+    parser.add_argument("--tls-cert", default="", help="serve TLS with this PEM certificate (and --tls-key)")
+    parser.add_argument("--tls-key", default="", help="the certificate's PEM private key")
     args = parser.parse_args(argv)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        parser.error("--tls-cert and --tls-key go together")
     if args.workers < 1 or args.shard < 0 or args.staleness < 0:
         parser.error("--workers must be >= 1, --shard and --staleness >= 0")
     return args

@@ -1,4 +1,4 @@
-"""What client and server share: dtypes, chunking, byte views, channel options, the token."""
+"""What client and server share: dtypes, chunking, byte views, channels (plain or TLS), the token."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ import ctypes
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Iterator
+from pathlib import Path
+from typing import Any, Iterator, Optional
 
+import grpc
 import torch
 
 from testbed.ps import parameter_server_pb2 as pb
@@ -49,6 +51,19 @@ def token_from_env() -> str:
     if not token:
         raise RuntimeError(f"{TOKEN_ENV} is not set: parameter-server clients and servers share a token through it")
     return token
+
+
+def open_channel(address: str, ca: Optional[str] = None) -> grpc.Channel:
+    """A channel to a shard: TLS when ``ca`` (the PEM of the certificate authority that signed the
+    servers' certificates) is given, so tokens and tensors never cross a network in the clear."""
+    if ca is None:
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(Path(ca).read_bytes()), options=CHANNEL_OPTIONS)
+
+
+def tls_of(sync_cfg: Any) -> tuple[Optional[str], Optional[str], Optional[str]]:
+    """(certificate, key, certificate authority) of a sync config; all None without TLS."""
+    return sync_cfg.get("tls_cert") or None, sync_cfg.get("tls_key") or None, sync_cfg.get("tls_ca") or None
 
 
 def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:

@@ -21,7 +21,7 @@ from torch import nn
 
 from testbed.collectives import chunk_bounds
 from testbed.ps.client import PsClient, describe_stats
-from testbed.ps.wire import token_from_env
+from testbed.ps.wire import tls_of, token_from_env
 from testbed.sync import register
 from testbed.sync.base import Synchronizer, SyncReport, flat_views
 from testbed.world import World
@@ -43,7 +43,8 @@ class ParameterServerSync(Synchronizer):
         self.grad_shards = [self.flat_grads[lo:hi] for lo, hi in bounds]
         self.bytes_per_step = numel * self.flat_params.element_size()
 
-        self.client = PsClient(list(self.cfg.addresses), token_from_env(), world.rank, world.timeout_s, self.cfg.chunk_kb * 1024)
+        self.client = PsClient(list(self.cfg.addresses), token_from_env(), world.rank, world.timeout_s,
+                               self.cfg.chunk_kb * 1024, tls_of(self.cfg)[2])  # fmt: skip
         for i, info in enumerate(self.client.register(wait_s=world.timeout_s)):
             if info.workers != world.world_size or info.mode != self.cfg.mode:
                 raise ValueError(
