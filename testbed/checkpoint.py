@@ -9,7 +9,9 @@ previous complete checkpoint.
 
 ``resume=<job dir>`` starts a new job from that directory's latest checkpoint: the step records
 before it are copied into the new job's metrics, so the new job's results cover the whole run. For
-synchronous modes the resumed run ends bitwise equal to an uninterrupted one (tested).
+synchronous modes the resumed run ends bitwise equal to an uninterrupted one (tested). Parameter
+servers in sync mode write their shards' state into the same step directories (ps<shard>.pt,
+testbed.ps.server) and the launcher restarts them from there.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ DIR, LATEST = "checkpoints", "latest"
 # Config that may differ between a run and its resumption: how it runs, not what it computes.
 RUN_ONLY = ("steps", "warmup_steps", "checkpoint", "resume", "fault", "timeouts", "launcher", "wandb", "debug",
             "log_every", "sim")  # fmt: skip
+RUN_ONLY_SYNC = ("addresses", "host", "tls_cert", "tls_key", "tls_ca")  # where the servers run, and how they are reached
 
 
 def step_dir(job_dir: Path, step: int) -> Path:
@@ -107,5 +110,11 @@ def earlier_records(resume_dir: Path, rank: int, upto: int) -> list[dict[str, An
 
 def mismatches(cfg: dict[str, Any], resumed: dict[str, Any]) -> list[str]:
     """The config keys (besides RUN_ONLY) in which a run differs from the one it resumes."""
-    keys = (set(cfg) | set(resumed)) - set(RUN_ONLY)
-    return sorted(k for k in keys if cfg.get(k) != resumed.get(k))
+
+    def what(c: dict[str, Any]) -> dict[str, Any]:
+        out = {k: v for k, v in c.items() if k not in RUN_ONLY}
+        out["sync"] = {k: v for k, v in (c.get("sync") or {}).items() if k not in RUN_ONLY_SYNC}
+        return out
+
+    ours, theirs = what(cfg), what(resumed)
+    return sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))

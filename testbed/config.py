@@ -657,9 +657,10 @@ def _validate_checkpoint(cfg: DictConfig) -> None:
 
     _require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0 (0: no checkpoints)")
     _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
-    if cfg.checkpoint.every or cfg.resume:
-        _require(cfg.sync.name != "ps", "checkpoint/resume: the parameter servers' state is not checkpointed; "
-                                        "use an all-reduce synchronizer or drop checkpoint.every and resume")  # fmt: skip
+    if (cfg.checkpoint.every or cfg.resume) and cfg.sync.name == "ps":
+        _require(cfg.sync.mode == "sync" and not cfg.sync.addresses,
+                 "checkpoint/resume with sync=ps: the servers save their state in step with the workers in sync "
+                 "mode, with servers the launcher starts; use sync.mode=sync without sync.addresses")  # fmt: skip
     if not cfg.resume:
         return
     resumed = Path(cfg.resume)

@@ -20,10 +20,12 @@ def run(tmp_path: Path, name: str, overrides: list[str], expect: int = 0) -> Pat
     return job
 
 
-@pytest.mark.parametrize("sync", ["allreduce", "ring", "local_sgd"])
+@pytest.mark.parametrize("sync", ["allreduce", "ring", "local_sgd", "ps"])
 def test_a_resumed_run_ends_bitwise_equal_to_an_uninterrupted_one(tmp_path: Path, sync: str) -> None:
     # Momentum makes the optimizer state matter; local SGD keeps one replica per rank.
-    setting = [f"sync={sync}", "optim.momentum=0.9"] + (["sync.period=3"] if sync == "local_sgd" else [])
+    # The parameter server keeps the optimizer: its shards checkpoint and restore their own state.
+    extra = {"local_sgd": ["sync.period=3"], "ps": ["sync.servers=2"]}.get(sync, [])
+    setting = [f"sync={sync}", "optim.momentum=0.9", *extra]
     whole = read_json(run(tmp_path, "whole", setting) / "summary.json")
     killed = run(tmp_path, "killed", [*setting, "checkpoint.every=4", "fault=kill_rank", "fault.step=9"], expect=1)
     assert checkpoint.checkpoint_step(checkpoint.latest(killed)) == 7  # after steps 3 and 7; killed in step 9
@@ -50,7 +52,7 @@ def test_checkpoints_keep_the_newest(tmp_path: Path) -> None:
     [
         (["resume={job}", "optim.lr=0.5"], "the config differs in optim"),
         (["resume={empty}"], "no complete checkpoint there"),
-        (["sync=ps", "checkpoint.every=2"], "the parameter servers' state is not checkpointed"),
+        (["sync=ps_async", "checkpoint.every=2"], "checkpoint/resume with sync=ps: the servers save"),
         (["checkpoint.keep=0"], "checkpoint.keep=0: must be >= 1"),
     ],
 )

@@ -13,7 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from testbed import config
+from testbed import checkpoint, config
 from testbed.faults import PS_PIDS_ENV
 from testbed.launch.existing import in_submitit_job, surrounding_world
 from testbed.launch.rank import rank_main
@@ -82,7 +82,10 @@ def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path, identity: dict
             if servers:
                 hosts = [(network.endpoints[f"s{k}"].namespace, network.endpoints[f"s{k}"].address)
                          for k in range(servers)] if network else None  # fmt: skip
-                ps = stack.enter_context(LocalServers(plain["sync"], plain["optim"], cfg.world_size, job_dir / "logs", hosts))
+                saving = (job_dir / checkpoint.DIR, int(cfg.checkpoint.every)) if cfg.checkpoint.every else None
+                restore = checkpoint.latest(Path(cfg.resume)) if cfg.resume else None
+                ps = stack.enter_context(LocalServers(plain["sync"], plain["optim"], cfg.world_size, job_dir / "logs",
+                                                      hosts, saving, restore))  # fmt: skip
                 plain["sync"]["addresses"] = ps.addresses
                 env[TOKEN_ENV] = ps.token  # inherited by the ranks; kept out of the config
                 env[PS_PIDS_ENV] = json.dumps([proc.pid for proc in ps.procs])  # for fault=kill_ps

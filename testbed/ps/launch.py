@@ -33,11 +33,14 @@ class LocalServers:
 
     def __init__(
         self, sync_cfg: dict[str, Any], optim_cfg: dict[str, Any], workers: int, log_dir: Path,
-        hosts: list[tuple[str, str]] | None = None,
+        hosts: list[tuple[str, str]] | None = None, checkpoint: tuple[Path, int] | None = None,
+        restore: Path | None = None,
     ) -> None:  # fmt: skip
-        """``hosts``: (network namespace, address) per shard on an emulated network."""
+        """``hosts``: (network namespace, address) per shard on an emulated network; ``checkpoint``:
+        (directory, every) for sync-mode checkpoints; ``restore``: a checkpoint step directory whose
+        ``ps<shard>.pt`` each shard starts from."""
         self.sync_cfg, self.optim_cfg, self.workers, self.log_dir = sync_cfg, optim_cfg, workers, log_dir
-        self.hosts = hosts
+        self.hosts, self.checkpoint, self.restore = hosts, checkpoint, restore
         self.token = secrets.token_hex(16)
         self.procs: list[subprocess.Popen] = []
         self.addresses: list[str] = []
@@ -75,6 +78,10 @@ class LocalServers:
             cert, key, _ = tls_of(self.sync_cfg)
             if cert:
                 cmd += ["--tls-cert", cert, "--tls-key", key]
+            if self.checkpoint:
+                cmd += ["--checkpoint-dir", str(self.checkpoint[0]), "--checkpoint-every", str(self.checkpoint[1])]
+            if self.restore:
+                cmd += ["--restore", str(self.restore / f"ps{shard}.pt")]
             log = open(self.log_dir / f"ps{shard}.log", "w")
             self.procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
             log.close()

@@ -84,6 +84,10 @@ class Shard:
         self.histogram: Counter[int] = Counter()
         self.stats = Counter()  # bytes_in, bytes_out, pushes, pulls, rejected
         self.apply_seconds = 0.0
+        # sync mode: write the state after every `checkpoint_every`-th update to
+        # <checkpoint_dir>/step<version - 1>/ps<shard>.pt, beside the workers' checkpoint of that step.
+        self.checkpoint_dir: Optional[Path] = None
+        self.checkpoint_every = 0
 
     # --- initialisation -----------------------------------------------------------------------
 
@@ -110,16 +114,46 @@ class Shard:
                 expected += chunk.length
             if expected != numel:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"InitParams: got {expected} of {numel} elements")
-            # Preallocated once: the parameters, the gradient the optimizer reads, each worker's
-            # staged push, and (async/ssp) each worker's pull snapshot.
-            self.params = torch.nn.Parameter(values)
-            self.staging = torch.zeros(self.workers, numel, dtype=dtype)
-            # A lone worker's staged push is the gradient itself: no copy, no mean.
-            self.params.grad = self.staging[0] if self.workers == 1 else torch.zeros_like(values)
-            self.optimizer = build_optimizer(self.optim_cfg, [self.params])
-            self.snapshots = torch.zeros(self.workers, numel, dtype=dtype) if self.mode != "sync" else None
+            self._hold(values)
             self.stats["bytes_in"] += numel * values.element_size()
         return self.info()
+
+    def _hold(self, values: torch.Tensor) -> None:
+        """Preallocate, once: the parameters, the gradient the optimizer reads, each worker's staged
+        push, and (async/ssp) each worker's pull snapshot."""
+        numel, dtype = values.numel(), values.dtype
+        self.params = torch.nn.Parameter(values)
+        self.staging = torch.zeros(self.workers, numel, dtype=dtype)
+        # A lone worker's staged push is the gradient itself: no copy, no mean.
+        self.params.grad = self.staging[0] if self.workers == 1 else torch.zeros_like(values)
+        self.optimizer = build_optimizer(self.optim_cfg, [self.params])
+        self.snapshots = torch.zeros(self.workers, numel, dtype=dtype) if self.mode != "sync" else None
+
+    # --- checkpoints (sync mode) -----------------------------------------------------------------
+
+    def restore(self, path: Path) -> None:
+        """Continue from a checkpoint written by this shard's predecessor (see checkpoint_every)."""
+        state = torch.load(path, weights_only=False)
+        if state["shard"] != self.shard or state["workers"] != self.workers or self.mode != "sync":
+            raise SystemExit(f"{path}: a checkpoint of shard {state['shard']} with {state['workers']} workers; "
+                             f"this is shard {self.shard} with {self.workers}, mode {self.mode} (sync only)")  # fmt: skip
+        with self.cond:
+            self._hold(state["params"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.version, self.clocks = state["version"], list(state["clocks"])
+            self.histogram = Counter(state["histogram"])
+
+    def _save(self) -> None:
+        """The state after this update; the caller holds the lock."""
+        assert self.params is not None and self.checkpoint_dir is not None
+        target = self.checkpoint_dir / f"step{self.version - 1:07d}"
+        target.mkdir(parents=True, exist_ok=True)
+        state = {"shard": self.shard, "workers": self.workers, "params": self.params.detach().clone(),
+                 "optimizer": self.optimizer.state_dict(), "version": self.version, "clocks": list(self.clocks),
+                 "histogram": dict(self.histogram)}  # fmt: skip
+        tmp = target / f"ps{self.shard}.pt.tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, target / f"ps{self.shard}.pt")
 
     def register(self, worker: int) -> pb.ShardInfo:
         self._check_worker(worker)
@@ -200,6 +234,8 @@ class Shard:
         self.optimizer.step()
         self.apply_seconds += time.perf_counter() - start
         self.version += 1
+        if self.checkpoint_every and self.mode == "sync" and self.version % self.checkpoint_every == 0:
+            self._save()
 
     # --- pull ---------------------------------------------------------------------------------
 
@@ -411,6 +447,10 @@ def serve(args: argparse.Namespace) -> None:
     token = token_from_env()
     optim_cfg = OmegaConf.create(json.loads(args.optim))
     shard = Shard(args.shard, args.workers, args.mode, args.staleness, optim_cfg, args.chunk_kb * 1024)
+    if args.checkpoint_dir:
+        shard.checkpoint_dir, shard.checkpoint_every = Path(args.checkpoint_dir), args.checkpoint_every
+    if args.restore:
+        shard.restore(Path(args.restore))
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=2 * args.workers + 4, thread_name_prefix=f"ps{args.shard}"),
         interceptors=[TokenInterceptor(token)],
@@ -460,6 +500,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--chunk-kb", type=int, default=1024, help="pull chunk size")
     parser.add_argument("--tls-cert", default="", help="serve TLS with this PEM certificate (and --tls-key)")
     parser.add_argument("--tls-key", default="", help="the certificate's PEM private key")
+    parser.add_argument("--checkpoint-dir", default="", help="sync mode: save the state here every --checkpoint-every updates")
+    parser.add_argument("--checkpoint-every", type=int, default=0)
+    parser.add_argument("--restore", default="", help="start from this checkpoint file (sync mode)")
     args = parser.parse_args(argv)
     if bool(args.tls_cert) != bool(args.tls_key):
         parser.error("--tls-cert and --tls-key go together")

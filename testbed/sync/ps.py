@@ -45,7 +45,8 @@ class ParameterServerSync(Synchronizer):
 
         self.client = PsClient(list(self.cfg.addresses), token_from_env(), world.rank, world.timeout_s,
                                self.cfg.chunk_kb * 1024, tls_of(self.cfg)[2])  # fmt: skip
-        for i, info in enumerate(self.client.register(wait_s=world.timeout_s)):
+        infos = self.client.register(wait_s=world.timeout_s)
+        for i, info in enumerate(infos):
             if info.workers != world.world_size or info.mode != self.cfg.mode:
                 raise ValueError(
                     f"ps shard {i} at {self.cfg.addresses[i]} expects {info.workers} workers in mode {info.mode}; "
@@ -54,10 +55,10 @@ class ParameterServerSync(Synchronizer):
         self.overlap = bool(self.cfg.overlap) and servers > 1
         if self.overlap:
             self._watch_shards(model, bounds)
-        if world.rank == 0:
+        if world.rank == 0 and infos[0].version == 0:  # a shard restored from a checkpoint holds its own
             self.client.init_params(self.param_shards)
         dist.barrier()  # every shard holds the initial parameters before anyone pulls
-        self.clock = 0
+        self.clock = int(infos[0].version)  # sync: a restored shard is at the step the run resumes from
         self.versions = self.client.pull(self.param_shards, self.clock).versions
 
     # --- overlap: push each shard from backward's hooks -------------------------------------
