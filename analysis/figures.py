@@ -74,6 +74,8 @@ def scaling(table: pd.DataFrame, out: Path) -> list[Path]:
     ax_x.set(xlabel="workers", ylabel="throughput (samples/s); dotted: n X(1)")
     if max(ns) / min(ns) >= 16:
         ax_x.set_yscale("log")
+    else:
+        ax_x.set_ylim(bottom=0)
     for ax in (ax_e, ax_x):
         _workers_axis(ax, ns)
         ax.grid(alpha=0.3)
