@@ -305,9 +305,6 @@ class LocalLauncherConfig:
     # Rank stdout/stderr go to <job dir>/logs; rank 0 is also echoed to the console.
     echo_rank0: bool = True
     monitor_interval_s: float = 0.1
-    # Elastic restarts: when a rank fails, start the world again this many times; the ranks resume
-    # from the job's latest checkpoint (checkpoint.every), or from the start without one.
-    max_restarts: int = 0
 
 
 WANDB_MODES = ("disabled", "offline", "online")
@@ -660,11 +657,6 @@ def _validate_checkpoint(cfg: DictConfig) -> None:
 
     _require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0 (0: no checkpoints)")
     _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
-    restarts = int(cfg.launcher.get("max_restarts", 0))
-    _require(restarts >= 0, f"launcher.max_restarts={restarts}: must be >= 0")
-    _require(not (restarts and cfg.sync.name == "ps"),
-             "launcher.max_restarts with sync=ps: the servers would outlive the ranks' restart at another step; "
-             "use resume=<job dir> after the run fails instead")  # fmt: skip
     if (cfg.checkpoint.every or cfg.resume) and cfg.sync.name == "ps":
         _require(cfg.sync.mode == "sync" and not cfg.sync.addresses,
                  "checkpoint/resume with sync=ps: the servers save their state in step with the workers in sync "

@@ -39,17 +39,6 @@ def test_a_resumed_run_ends_bitwise_equal_to_an_uninterrupted_one(tmp_path: Path
         assert [r["loss"] for r in records] == [r["loss"] for r in read_jsonl(tmp_path / "whole" / "metrics" / f"rank{rank}.jsonl")]
 
 
-def test_an_elastic_restart_resumes_from_the_latest_checkpoint(tmp_path: Path) -> None:
-    setting = ["sync=ring", "optim.momentum=0.9"]
-    whole = read_json(run(tmp_path, "whole", setting) / "summary.json")
-    job = run(tmp_path, "restarted", [*setting, "checkpoint.every=4", "fault=kill_rank", "fault.step=9",
-                                      "launcher.max_restarts=1"])  # fmt: skip
-    summary = read_json(job / "summary.json")
-    assert summary["status"] == "ok" and summary["restarts"] == 1 and summary["steps"] == 12
-    assert summary["param_hash"] == whole["param_hash"]  # restarted after step 7, bitwise as if never killed
-    assert [r["step"] for r in read_jsonl(job / "metrics" / "rank1.jsonl")] == list(range(12))
-
-
 def test_checkpoints_keep_the_newest(tmp_path: Path) -> None:
     job = run(tmp_path, "job", ["checkpoint.every=2", "checkpoint.keep=2"])
     kept = sorted(p.name for p in (job / "checkpoints").glob("step*"))
@@ -65,7 +54,6 @@ def test_checkpoints_keep_the_newest(tmp_path: Path) -> None:
         (["resume={empty}"], "no complete checkpoint there"),
         (["sync=ps_async", "checkpoint.every=2"], "checkpoint/resume with sync=ps: the servers save"),
         (["checkpoint.keep=0"], "checkpoint.keep=0: must be >= 1"),
-        (["sync=ps", "launcher.max_restarts=1"], "launcher.max_restarts with sync=ps"),
     ],
 )
 def test_bad_resume_configs_fail_before_anything_starts(tmp_path: Path, overrides: list[str], message: str) -> None:

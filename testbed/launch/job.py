@@ -93,7 +93,7 @@ def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path, identity: dict
             results = spawn_world(
                 rank_main, (plain, str(job_dir), identity), cfg.world_size, job_dir / "logs",
                 rendezvous_timeout_s=cfg.timeouts.rendezvous_s, echo_rank0=cfg.launcher.echo_rank0,
-                monitor_interval_s=cfg.launcher.monitor_interval_s, env=env, max_restarts=cfg.launcher.max_restarts,
+                monitor_interval_s=cfg.launcher.monitor_interval_s, env=env,
             )  # fmt: skip
             return results[0]
     except RankFailure as failure:

@@ -70,18 +70,11 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
         model = build_model(cfg.model, spec).to(world.device)
         optimizer = build_optimizer(cfg.optim, model.parameters())
         injector = Injector(cfg.imbalance, world.rank, cfg.seed)
-        # An elastic restart (launcher.max_restarts, or torchrun's) continues from this job's own
-        # latest checkpoint; resume=<job dir> from that one's.
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        source = Path(cfg.resume) if cfg.resume else None
-        if restart and checkpoint.latest(Path(job_dir)) is not None:
-            source = Path(job_dir)
         resumed, earlier, state = 0, [], None
-        if source is not None:  # parameters and optimizer before the synchronizer shares the model
-            done, state = checkpoint.load(source, world.rank)
+        if cfg.resume:  # parameters and optimizer before the synchronizer shares the model
+            done, state = checkpoint.load(Path(cfg.resume), world.rank)
             checkpoint.restore_training(state, model, optimizer)
-            resumed, earlier = done + 1, checkpoint.earlier_records(source, world.rank, done)
-            log.info("rank %d resumes after step %d from %s (restart %d)", world.rank, done, source, restart)
+            resumed, earlier = done + 1, checkpoint.earlier_records(Path(cfg.resume), world.rank, done)
         sync.setup(model, optimizer, world)
         if world.is_main:  # the process group and the parameter servers are up
             tracker = WandbRun(cfg.wandb, plain_cfg, Path(job_dir), identity)
@@ -93,8 +86,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
             bf16=cfg.precision == "bf16", log_every=cfg.log_every, injector=injector,
             loss_weight=loss_weight(sizes, world.rank),
             on_record=tracker.log_step if tracker else None,
-            # An injected fault strikes the first attempt only, or a restart would meet it again.
-            fault=FaultInjector(cfg.fault, world.rank, cfg.seed, cfg.steps) if not restart else None, arrivals=arrivals,
+            fault=FaultInjector(cfg.fault, world.rank, cfg.seed, cfg.steps), arrivals=arrivals,
             start_step=resumed,
             after_step=_checkpointer(cfg, Path(job_dir), world.rank, model, optimizer, injector, step_log),
         )  # fmt: skip
@@ -108,7 +100,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
         finally:
             step_log.close()  # everything written before the exchange (or the crash report)
         sync.finalize()
-        summary = _finish(plain_cfg, world, model, sync, step_log, records, Path(job_dir), restart)
+        summary = _finish(plain_cfg, world, model, sync, step_log, records, Path(job_dir))
         return summary
     finally:
         if arrivals:
@@ -121,7 +113,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
 
 def _finish(
     plain_cfg: dict[str, Any], world: World, model: torch.nn.Module, sync: Any,
-    step_log: StepLog, records: list[dict[str, Any]], job_dir: Path, restarts: int,
+    step_log: StepLog, records: list[dict[str, Any]], job_dir: Path,
 ) -> Optional[dict[str, Any]]:  # fmt: skip
     """After the last step: one all-reduce of enter times (for t_wait), then rank 0 gathers the records."""
     facts = {
@@ -142,7 +134,6 @@ def _finish(
         return None
     torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, job_dir / "model_final.pt")
     summary = summarize(plain_cfg, [g[0] for g in gathered], [g[1] for g in gathered], sync.describe())
-    summary["restarts"] = restarts  # elastic restarts this run took to finish
     write_summary(job_dir, summary)
     return summary
 

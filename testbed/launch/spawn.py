@@ -1,10 +1,8 @@
 """Spawn a world of local ranks through torch's elastic launcher (the engine behind torchrun).
 
 Standalone c10d rendezvous on ``localhost:0``: the rendezvous store binds a fresh port per call, so
-consecutive or concurrent jobs can never join each other's world. By default (``max_restarts=0``)
-a failed rank fails the run, and the agent stops the remaining ranks; with restarts, the agent
-starts the whole world again (TORCHELASTIC_RESTART_COUNT counts them) and the ranks resume from
-their job's latest checkpoint (testbed.launch.rank).
+consecutive or concurrent jobs can never join each other's world. ``max_restarts=0``: a failed rank
+fails the run, and the agent stops the remaining ranks.
 """
 
 from __future__ import annotations
@@ -43,7 +41,6 @@ def spawn_world(
     echo_rank0: bool = False,
     monitor_interval_s: float = 0.1,
     env: dict[str, str] | None = None,
-    max_restarts: int = 0,
 ) -> dict[int, Any]:
     """Run ``entry(*args)`` in ``nproc`` fresh processes; return ``{rank: return value}``.
 
@@ -61,7 +58,7 @@ def spawn_world(
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",
         rdzv_configs={"timeout": int(rendezvous_timeout_s), "join_timeout": int(rendezvous_timeout_s)},
-        max_restarts=max_restarts,
+        max_restarts=0,
         monitor_interval=monitor_interval_s,
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(
