@@ -1,4 +1,5 @@
-"""Figure 9: the simulator's predicted step time against the measured one (testbed.sim.validate)."""
+"""Figure 9: the simulator's predicted step time against the measured one (testbed.sim.validate),
+and measured scaling beside the prediction from single-worker compute."""
 
 from __future__ import annotations
 
@@ -59,6 +60,37 @@ def draw(frame: pd.DataFrame, out: Path) -> list[Path]:
     return _save(fig, out, "validation")
 
 
+def draw_scaling(rows: list[dict[str, Any]], out: Path) -> list[Path]:
+    """Measured throughput and efficiency against workers (solid) beside the simulator's prediction
+    of the same configs from the single worker's compute (dashed), one row of panels per setting
+    (model); efficiency is against the measured best single worker of the setting."""
+    frame = pd.DataFrame(rows)
+    frame = frame[frame["predicted_single"].notna()]
+    settings = sorted(frame["setting"].unique()) if not frame.empty else []
+    if not settings or frame["world_size"].nunique() < 2:
+        return []
+    fig, axes = plt.subplots(len(settings), 2, figsize=(10, 3.8 * len(settings)), squeeze=False)
+    colors = dict(zip(sorted(frame["option"].unique()), plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4))
+    for (ax_x, ax_e), setting in zip(axes, settings):
+        g = frame[frame["setting"] == setting]
+        best = (g["global_batch"] / g["measured"])[g["world_size"] == 1].max()
+        for option, s in g.groupby("option"):
+            s = s.groupby("world_size").agg({"global_batch": "first", "measured": "median", "predicted_single": "median"})
+            measured, predicted = s["global_batch"] / s["measured"], s["global_batch"] / s["predicted_single"]
+            for series, style in ((measured, "-o"), (predicted, "--x")):
+                ax_x.plot(s.index, series, style, color=colors[option], label=option if style == "-o" else None)
+                ax_e.plot(s.index, series / (s.index * best), style, color=colors[option])
+        ax_x.set(xlabel="workers", ylabel="throughput (samples/s)", title=setting or "all runs", ylim=(0, None))
+        ax_e.set(xlabel="workers", ylabel="efficiency X(n) / (n X(1))", ylim=(0, 1.05),
+                 title="solid: measured, dashed: simulated")  # fmt: skip
+        for ax in (ax_x, ax_e):
+            ax.set_xticks(sorted(g["world_size"].unique()))
+            ax.grid(alpha=0.3)
+        ax_x.legend(fontsize=7)
+    fig.tight_layout()
+    return _save(fig, out, "predicted_scaling")
+
+
 def report_section(rows: list[dict[str, Any]]) -> str:
     frame = pd.DataFrame(rows)
     ok = scored(rows)
@@ -83,4 +115,4 @@ def report_section(rows: list[dict[str, Any]]) -> str:
 
 def analyse(rows: list[dict[str, Any]], out: Path) -> tuple[list[Path], str]:
     ok = scored(rows)
-    return (draw(ok, out) if not ok.empty else []), report_section(rows)
+    return (draw(ok, out) if not ok.empty else []) + draw_scaling(rows, out), report_section(rows)

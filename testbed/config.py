@@ -157,6 +157,52 @@ class TransformerConfig:
     n_head: int = 4
 
 
+@dataclass
+class ResNetConfig:
+    """torchvision's ResNet-18/50/101 (testbed.models.resnet); the depth is the option's name."""
+
+    name: str = "resnet50"
+    width: int = 64  # base width (torchvision: 64); stage i has width * 2**i channels (x4 in bottlenecks)
+    layers: Optional[list[int]] = None  # blocks per stage; null: the depth's own ([3, 4, 6, 3] for 50)
+
+
+@dataclass
+class VggConfig:
+    """torchvision's VGG-16 (configuration D, no batch norm; testbed.models.vgg)."""
+
+    name: str = "vgg16"
+    width: int = 64  # channels of the first block (torchvision: 64); the others scale with it
+    hidden: int = 4096  # classifier width
+    dropout: float = 0.5
+
+
+@dataclass
+class LanguageModelConfig:
+    """GPT-2 and BERT from Hugging Face transformers' own classes, randomly initialised (no hub).
+
+    The defaults are GPT-2 small and BERT-base; the vocabulary is the data's (data.vocab_size
+    50257 for GPT-2 and 30522 for BERT give the reference totals).
+    """
+
+    name: str = "gpt2"  # gpt2 (causal LM) | bert (masked LM)
+    n_layer: int = 12
+    d_model: int = 768
+    n_head: int = 12
+    n_positions: int = 1024  # position embeddings (BERT: 512); data.seq_len must not exceed it
+    dropout: float = 0.1
+    mask_prob: float = 0.15  # bert: share of tokens masked (of these 80 % [MASK], 10 % random, 10 % kept)
+    mask_token: int = 103  # bert: the [MASK] token id (BERT's vocabulary)
+
+
+@dataclass
+class CustomModelConfig:
+    """Any ``nn.Module`` by import path, built with Hydra's instantiate (testbed.models.custom)."""
+
+    name: str = "custom"
+    target: str = MISSING  # e.g. torchvision.models.resnet50, or my_package.models.Net
+    kwargs: dict[str, Any] = field(default_factory=dict)  # its constructor's keyword arguments
+
+
 # --- data group -------------------------------------------------------------------------------
 
 
@@ -168,8 +214,27 @@ class DataConfig:
     num_samples: int = 4096  # synthetic data sets are materialised once per rank
     shape: list[int] = field(default_factory=lambda: [3, 16, 16])  # classification inputs
     num_classes: int = 10
-    vocab_size: int = 256  # language-model data
+    vocab_size: int = 256  # language-model data (tokens: the tokenizer's vocabulary)
     seq_len: int = 64
+    image_size: int = 224  # image_folder, synthetic_images: inputs are 3 x image_size x image_size
+    root: Optional[str] = None  # image_folder: one folder per class (the ImageNet layout)
+    path: Optional[str] = None  # tokens: a flat binary token file (nanoGPT's train.bin)
+    dtype: str = "uint16"  # tokens: uint16 | uint32
+    # The input pipeline of file data sets (torch.utils.data.DataLoader, testbed.data.loader).
+    num_workers: int = 0  # decoding processes per rank; 0: in the rank's own process
+    pin_memory: bool = False  # page-locked batches (CUDA): faster, asynchronous host-to-device copies
+    persistent_workers: bool = True  # workers live across epochs (num_workers > 0)
+    prefetch_factor: int = 2  # batches each worker loads ahead (num_workers > 0)
+    # How workers start: forkserver or spawn, never fork, whose children would inherit gRPC's
+    # threads (the parameter server's channels) in an undefined state.
+    worker_start: str = "forkserver"
+    shuffle: bool = True  # a new order every epoch (DistributedSampler's set_epoch)
+    drop_last: bool = True  # drop the epoch's last partial global batch; false: pad it by wrapping around
+
+
+WORKER_STARTS = ("forkserver", "spawn")
+TOKEN_DTYPES = ("uint16", "uint32")
+BUFFER_POLICIES = ("broadcast", "average", "local")
 
 
 # --- optim group ------------------------------------------------------------------------------
@@ -370,6 +435,12 @@ class Config:
     backend: Backend = Backend.auto
     precision: Precision = Precision.fp32
     threads_per_rank: int = 0  # 0: the machine's cores divided among the local ranks
+    # Buffers (BatchNorm's running statistics) whenever a step leaves the replicas' parameters
+    # equal (testbed.buffers): broadcast rank 0's (DDP's default), average them, or keep them local.
+    buffers: str = "broadcast"
+    sync_bn: bool = False  # CUDA: BatchNorm over the global batch (torch's SyncBatchNorm)
+    # Peak FLOP/s of one device for MFU (language models); null: known CUDA devices, none on CPU.
+    peak_tflops: Optional[float] = None
     log_every: int = 0  # progress line on rank 0 every n steps; 0: about ten lines per run
     # torch.distributed's own diagnostics: TORCH_DISTRIBUTED_DEBUG=DETAIL (collective checks and
     # desync reports), C++ logs at INFO, NCCL_DEBUG=INFO and NCCL's desync debug.
@@ -391,8 +462,19 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
         "ddp": DdpSyncConfig,
         "local_sgd": LocalSgdSyncConfig,
     },
-    "model": {"mlp": MlpConfig, "cnn": CnnConfig, "transformer": TransformerConfig},
-    "data": {"synthetic": DataConfig, "lm": DataConfig, "digits": DataConfig},
+    "model": {
+        "mlp": MlpConfig,
+        "cnn": CnnConfig,
+        "transformer": TransformerConfig,
+        "resnet18": ResNetConfig,
+        "resnet50": ResNetConfig,
+        "resnet101": ResNetConfig,
+        "vgg16": VggConfig,
+        "gpt2": LanguageModelConfig,
+        "bert": LanguageModelConfig,
+        "custom": CustomModelConfig,
+    },
+    "data": {name: DataConfig for name in ("synthetic", "lm", "digits", "synthetic_images", "image_folder", "tokens")},
     "optim": {"sgd": SgdConfig, "adamw": AdamWConfig},
     "launcher": {"local": LocalLauncherConfig},
     "imbalance": {
@@ -427,9 +509,6 @@ def register_schemas() -> None:
 
 # --- semantic checks --------------------------------------------------------------------------
 
-MODEL_INPUTS = {"mlp": ("synthetic", "digits"), "cnn": ("synthetic", "digits"), "transformer": ("lm",)}
-
-
 def resolved_device(cfg: DictConfig) -> str:
     device = enum_value(cfg.device)
     if device == "auto":
@@ -455,11 +534,16 @@ def global_batch(cfg: DictConfig) -> int:
     return per_rank_batch(cfg) * int(cfg.world_size) * int(cfg.sync.accumulate)
 
 
-def validate(cfg: DictConfig, local_world_size: Optional[int] = None) -> None:
+def validate(cfg: DictConfig, local_world_size: Optional[int] = None, simulated: bool = False) -> None:
     """Raise ConfigError for a config that cannot run; called before any rank is spawned.
 
-    ``local_world_size`` is the number of ranks on this machine (world_size when we spawn them).
+    ``local_world_size`` is the number of ranks on this machine (world_size when we spawn them);
+    ``simulated``: the config is predicted (python -m testbed.sim), not run.
     """
+    _require(simulated or cfg.sim.gradient_mb is None,
+             f"sim.gradient_mb={cfg.sim.gradient_mb} stands for a model the testbed does not build (a simulator-only "
+             f"paper_model such as inception_v3?), but this run measures model={cfg.model.name}; predict it with "
+             "python -m testbed.sim, or measure a built model (model=..., or model=custom model.target=...)")  # fmt: skip
     local = int(cfg.world_size) if local_world_size is None else local_world_size
     for group, options in GROUP_SCHEMAS.items():
         name = cfg[group].name
@@ -483,21 +567,8 @@ def validate(cfg: DictConfig, local_world_size: Optional[int] = None) -> None:
             f"data.batch_size={data.batch_size} does not divide by world_size={cfg.world_size} under "
             f"data.scaling=strong; use a multiple of {cfg.world_size} or data.scaling=weak",
         )
-    if data.name != "digits":
-        _require(data.num_samples >= 1, f"data.num_samples={data.num_samples}: must be >= 1")
-    allowed = MODEL_INPUTS[cfg.model.name]
-    _require(
-        data.name in allowed,
-        f"model={cfg.model.name} cannot read data={data.name}; allowed: data={'|'.join(allowed)}",
-    )
-    if data.name == "synthetic" and cfg.model.name == "cnn":
-        _require(len(data.shape) == 3, f"data.shape={list(data.shape)}: model=cnn needs [channels, height, width]")
-    _require(all(d >= 1 for d in data.shape), f"data.shape={list(data.shape)}: every dimension must be >= 1")
-    if cfg.model.name == "transformer":
-        _require(
-            cfg.model.d_model % cfg.model.n_head == 0,
-            f"model.d_model={cfg.model.d_model} does not divide by model.n_head={cfg.model.n_head}",
-        )
+    _validate_data(cfg)
+    _validate_model(cfg)
     bucket = cfg.sync.get("bucket_mb")
     _require(bucket is None or bucket >= 0, f"sync.bucket_mb={bucket}: must be >= 0 (0: one bucket per tensor) or null")
     _require(cfg.sync.accumulate >= 1, f"sync.accumulate={cfg.sync.accumulate}: must be >= 1 (1 = no accumulation)")
@@ -541,6 +612,68 @@ def validate(cfg: DictConfig, local_world_size: Optional[int] = None) -> None:
         enum_value(cfg.precision) == "fp32" or resolved_device(cfg) == "cuda",
         "precision=bf16 (autocast) is for CUDA; use precision=fp32 on CPU",
     )
+
+
+def _validate_data(cfg: DictConfig) -> None:
+    data = cfg.data
+    if data.name in ("synthetic", "lm"):
+        _require(data.num_samples >= 1, f"data.num_samples={data.num_samples}: must be >= 1")
+    _require(all(d >= 1 for d in data.shape), f"data.shape={list(data.shape)}: every dimension must be >= 1")
+    if data.name in ("synthetic_images", "image_folder"):
+        _require(data.image_size >= 1, f"data.image_size={data.image_size}: must be >= 1 (pixels per side)")
+    if data.name == "tokens":
+        _require(data.dtype in TOKEN_DTYPES, f"data.dtype={data.dtype}: allowed: {'|'.join(TOKEN_DTYPES)}")
+        _require(data.vocab_size >= 2, f"data.vocab_size={data.vocab_size}: the token file's vocabulary, >= 2")
+        _require(data.path is not None and Path(data.path).is_file(),
+                 f"data.path={data.path}: no such file; give a flat {data.dtype} token file (nanoGPT's train.bin)")  # fmt: skip
+    if data.name in ("image_folder", "tokens"):
+        _require(data.num_workers >= 0, f"data.num_workers={data.num_workers}: must be >= 0 (0: load in the rank)")
+        _require(data.prefetch_factor >= 1, f"data.prefetch_factor={data.prefetch_factor}: must be >= 1")
+        _require(data.worker_start in WORKER_STARTS,
+                 f"data.worker_start={data.worker_start}: allowed: {'|'.join(WORKER_STARTS)} (fork breaks gRPC channels)")  # fmt: skip
+        _require(not data.pin_memory or resolved_device(cfg) == "cuda", "data.pin_memory=true is for CUDA; drop it on CPU")
+    if data.name == "synthetic_images":
+        _require(data.num_classes >= 1, f"data.num_classes={data.num_classes}: must be >= 1")
+
+
+def _validate_model(cfg: DictConfig) -> None:
+    """The model reads the data: its kind matches, and one forward pass on the meta device fits."""
+    from testbed.data.datasets import spec_for
+    from testbed.models import check_fits, model_kind
+
+    try:
+        spec = spec_for(cfg.data)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    _require(not OmegaConf.is_missing(cfg.model, "target") if cfg.model.name == "custom" else True,
+             "model=custom needs model.target=<module.attr> of an nn.Module class or factory (e.g. torch.nn.Linear)")  # fmt: skip
+    kind = model_kind(cfg.model.name)
+    if kind.reads is not None:
+        readers = [d for d in GROUP_SCHEMAS["data"] if _data_kind(d) == kind.reads]
+        _require(spec.kind == kind.reads,
+                 f"model={cfg.model.name} cannot read data={cfg.data.name}; allowed: data={'|'.join(readers)}")  # fmt: skip
+    if kind.language:
+        _require(cfg.data.seq_len <= cfg.model.get("n_positions", cfg.data.seq_len),
+                 f"data.seq_len={cfg.data.seq_len} exceeds model.n_positions={cfg.model.get('n_positions')}; "
+                 "lower data.seq_len or raise model.n_positions")  # fmt: skip
+        _require(cfg.model.d_model % cfg.model.n_head == 0,
+                 f"model.d_model={cfg.model.d_model} does not divide by model.n_head={cfg.model.n_head}")  # fmt: skip
+    if cfg.model.name == "bert":
+        _require(0 < cfg.model.mask_prob < 1, f"model.mask_prob={cfg.model.mask_prob}: must be in (0, 1)")
+        _require(0 <= cfg.model.mask_token < cfg.data.vocab_size,
+                 f"model.mask_token={cfg.model.mask_token} is outside data.vocab_size={cfg.data.vocab_size}")  # fmt: skip
+    _require(cfg.buffers in BUFFER_POLICIES, f"buffers={cfg.buffers}: allowed: {'|'.join(BUFFER_POLICIES)}")
+    _require(not cfg.sync_bn or resolved_device(cfg) == "cuda",
+             "sync_bn=true: torch's SyncBatchNorm runs on CUDA only; use buffers=broadcast|average on CPU")  # fmt: skip
+    _require(cfg.peak_tflops is None or cfg.peak_tflops > 0, f"peak_tflops={cfg.peak_tflops}: must be > 0 or null")
+    try:
+        check_fits(cfg.model, spec)
+    except ValueError as exc:
+        raise ConfigError(f"{exc}") from None
+
+
+def _data_kind(name: str) -> str:
+    return "lm" if name in ("lm", "tokens") else "classification"
 
 
 def _validate_ps(cfg: DictConfig) -> None:

@@ -15,7 +15,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from testbed.data import RankBatches
+from testbed.buffers import BufferSync
+from testbed.data import BatchSource
 from testbed.faults import FaultInjector, NonFiniteLoss
 from testbed.imbalance import Injector
 from testbed.launch.stall import Arrivals
@@ -38,7 +39,7 @@ class Trainer:
         self,
         optimizer: torch.optim.Optimizer,
         sync: Synchronizer,
-        batches: RankBatches,
+        batches: BatchSource,
         world: World,
         step_log: StepLog,
         steps: int,
@@ -52,6 +53,7 @@ class Trainer:
         arrivals: Arrivals | None = None,
         start_step: int = 0,
         after_step: Callable[[int], None] | None = None,
+        buffers: BufferSync | None = None,
     ) -> None:
         # The model is the synchronizer's (sync.module): a wrapper such as DDP may stand in front of it.
         self.optimizer, self.sync, self.batches = optimizer, sync, batches
@@ -67,6 +69,7 @@ class Trainer:
         self.arrivals = arrivals  # names the ranks a failed synchronization waited for (testbed.launch.stall)
         self.start_step = start_step  # > 0 when resuming from a checkpoint (testbed.checkpoint)
         self.after_step = after_step  # e.g. the periodic checkpoint, called with each completed step
+        self.buffers = buffers  # BatchNorm's statistics, made equal when the replicas agree (testbed.buffers)
 
     def run(self) -> list[dict[str, Any]]:
         device, world, sync = self.world.device, self.world, self.sync
@@ -103,6 +106,9 @@ class Trainer:
                     (loss * scale if scale != 1.0 else loss).backward()
                     clock.mark("backward")
                 report = self._synchronize(step, boundary)
+                if boundary and report.replicas_agree and self.buffers is not None:
+                    moved = self.buffers.sync()
+                    report.bytes_sent, report.bytes_recv = report.bytes_sent + moved, report.bytes_recv + moved
                 clock.mark("sync")
                 losses.append(loss.detach())
                 samples += int(inputs.shape[0])

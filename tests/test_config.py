@@ -22,9 +22,17 @@ def composed(overrides: list[str]):
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
-def test_every_option_composes_and_validates(group: str, option: str) -> None:
+def test_every_option_composes_and_validates(group: str, option: str, tmp_path: Path) -> None:
+    (tmp_path / "train.bin").write_bytes(bytes(400))
+    (tmp_path / "images" / "cat").mkdir(parents=True)
     extra = {
         "model=transformer": ["data=lm"], "data=lm": ["model=transformer"],
+        "model=gpt2": ["data=lm", "model.n_layer=1"], "model=bert": ["data=lm", "model.n_layer=1"],
+        "data=tokens": ["model=transformer", f"data.path={tmp_path / 'train.bin'}", "data.vocab_size=256", "data.seq_len=16"],
+        "data=image_folder": [f"data.root={tmp_path / 'images'}", "data.image_size=8"],
+        "model=vgg16": ["data.shape=[3,32,32]"],
+        "model=custom": ["model.target=torch.nn.Linear", "data.shape=[8]", "+model.kwargs.in_features=8",
+                         "+model.kwargs.out_features=10"],
         "fault=kill_rank": ["world_size=2"], "fault=kill_ps": ["sync=ps"],
         "fault=link_down": ["world_size=2", "network=emulated"],
     }.get(f"{group}={option}", [])  # fmt: skip
@@ -50,7 +58,7 @@ BAD = {
         "data.batch_size=10 does not divide by world_size=4",
     ),
     "nccl without GPUs": (["backend=nccl", "world_size=2"], "backend=nccl needs one CUDA GPU per local rank"),
-    "model/data mismatch": (["model=transformer"], "model=transformer cannot read data=synthetic; allowed: data=lm"),
+    "model/data mismatch": (["model=transformer"], "model=transformer cannot read data=synthetic; allowed: data=lm|tokens"),
     "one bad sweep point": (["-m", "sync=ring,tree", "world_size=1,0"], "world_size=0"),
     "bad point of a preset's sweep": (
         ["+experiment=compare", "data.scaling=strong", "data.batch_size=3"],

@@ -1,17 +1,20 @@
 """Data sets and the per-rank batch stream.
 
-Every data set is a pair of tensors materialised once per rank from the seed, so all ranks hold
-the same samples and no files are needed. ``RankBatches`` gives each rank its slice of each global
-batch; the concatenation over ranks is exactly the global batch a single process would draw.
+The synthetic and digits data sets are pairs of tensors materialised once per rank from the seed,
+so all ranks hold the same samples and no files are needed; ``RankBatches`` gives each rank its
+slice of each global batch. File data sets (image folders, token files) come through a DataLoader
+with the same slicing (testbed.data.loader). Either way the concatenation over ranks is exactly
+the global batch a single process would draw.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from testbed.data.datasets import load_dataset
+from testbed.data.datasets import load_dataset, spec_for
+from testbed.data.loader import ImageFolder, LoaderBatches, SyntheticImageBatches, TokenFile
 from testbed.data.spec import DataSpec
 
 
@@ -59,12 +62,44 @@ class RankBatches:
         idx = self.indices(step).to(self.inputs.device, non_blocking=True)
         return self.inputs[idx], self.targets[idx]
 
+    def describe(self) -> dict[str, Any]:
+        # Batches straddle epochs here, so an epoch is a fractional number of steps.
+        return {"samples": len(self.inputs), "steps_per_epoch": len(self.inputs) / self.global_batch}
+
+    def close(self) -> None:
+        """Nothing to release: the data set is two tensors."""
 
 
-def build_data(cfg: Any, sizes: list[int], rank: int, seed: int) -> tuple[DataSpec, RankBatches]:
-    """The data set and this rank's batches; ``sizes`` holds every rank's samples per step."""
+class BatchSource(Protocol):
+    """What the trainer reads: batch ``i`` of the run (step * accumulate + micro-step), in order."""
+
+    def batch(self, i: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+def build_data(
+    cfg: Any, sizes: list[int], rank: int, seed: int, device: torch.device | str = "cpu"
+) -> tuple[DataSpec, BatchSource]:
+    """The data's spec and this rank's batch stream; ``sizes`` holds every rank's samples per step.
+
+    In-memory data sets live on ``device`` (one gather per batch); file data sets come through a
+    DataLoader (testbed.data.loader) and are moved by the trainer; synthetic images are one random
+    batch made on ``device`` (Horovod's synthetic benchmark), so they measure no input pipeline.
+    """
+    spec = spec_for(cfg)
+    if cfg.name == "synthetic_images":
+        shape = (3, cfg.image_size, cfg.image_size)
+        return spec, SyntheticImageBatches(shape, cfg.num_classes, sizes[rank], rank, seed, torch.device(device))
+    if cfg.name in ("image_folder", "tokens"):
+        dataset = ImageFolder(cfg.root, cfg.image_size) if cfg.name == "image_folder" else TokenFile(cfg.path, cfg.seq_len, cfg.dtype)
+        pipeline = {k: cfg[k] for k in ("shuffle", "drop_last", "num_workers", "pin_memory", "persistent_workers",
+                                        "prefetch_factor", "worker_start")}  # fmt: skip
+        return spec, LoaderBatches(dataset, sizes, rank, seed, **pipeline)
     inputs, targets, spec = load_dataset(cfg, seed)
-    return spec, RankBatches(inputs, targets, sizes, rank, seed)
+    return spec, RankBatches(inputs, targets, sizes, rank, seed).to(device)
 
 
-__all__ = ["DataSpec", "RankBatches", "build_data"]
+__all__ = ["BatchSource", "DataSpec", "RankBatches", "build_data", "spec_for"]

@@ -1,8 +1,10 @@
-"""The data sets: synthetic classification, synthetic language modelling, scikit-learn digits."""
+"""The in-memory data sets (synthetic classification, synthetic language modelling, scikit-learn
+digits) and the input spec of every data set, in memory or read from files (testbed.data.loader)."""
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 import torch
 
@@ -20,14 +22,29 @@ def load_dataset(cfg: Any, seed: int) -> tuple[torch.Tensor, torch.Tensor, DataS
 
 
 def spec_for(cfg: Any) -> DataSpec:
-    """The data's input spec without generating it (what the simulator needs to size a model)."""
+    """The data's input spec without generating or reading it (what models and the simulator need)."""
     if cfg.name == "synthetic":
         return DataSpec("classification", tuple(cfg.shape), num_classes=cfg.num_classes)
-    if cfg.name == "lm":
+    if cfg.name in ("lm", "tokens"):
         return DataSpec("lm", (cfg.seq_len,), vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
     if cfg.name == "digits":
         return DataSpec("classification", (1, 8, 8), num_classes=10)
-    raise ValueError(f"data={cfg.name}: unknown; allowed: synthetic|lm|digits")
+    if cfg.name == "synthetic_images":
+        return DataSpec("classification", (3, cfg.image_size, cfg.image_size), num_classes=cfg.num_classes)
+    if cfg.name == "image_folder":
+        return DataSpec("classification", (3, cfg.image_size, cfg.image_size), num_classes=len(image_classes(cfg.root)))
+    raise ValueError(f"data={cfg.name}: unknown; allowed: synthetic|lm|digits|synthetic_images|image_folder|tokens")
+
+
+def image_classes(root: Optional[str]) -> list[str]:
+    """The class folders of an ImageNet-layout root, sorted (torchvision's ImageFolder rule)."""
+    path = Path(root or "")
+    if not root or not path.is_dir():
+        raise ValueError(f"data.root={root}: no such directory; give a folder with one subfolder of images per class")
+    classes = sorted(entry.name for entry in path.iterdir() if entry.is_dir())
+    if not classes:
+        raise ValueError(f"data.root={root}: no class folders in it; the layout is <root>/<class>/<image>.jpg")
+    return classes
 
 
 def synthetic_classification(

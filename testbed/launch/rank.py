@@ -28,7 +28,9 @@ from testbed.data import build_data
 from testbed.faults import FaultInjector
 from testbed.imbalance import Injector, loss_weight, shard_batches
 from testbed.launch.stall import Arrivals, StallError
-from testbed.models import build_model, gradient_bytes
+from testbed.buffers import BufferSync
+from testbed.data.loader import rank_seed
+from testbed.models import build_model, gradient_bytes, objective_batches, workload_facts
 from testbed.netem import enter_rank_namespace
 from testbed.optim import build_optimizer
 from testbed.results.step_log import StepLog, flush_open_logs, metrics_path
@@ -65,9 +67,11 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
         torch.set_num_threads(threads)
         torch.manual_seed(cfg.seed)  # identical initial replicas on every rank
         sizes = shard_batches(cfg)
-        spec, batches = build_data(cfg.data, sizes, world.rank, cfg.seed)
-        batches.to(world.device)
+        spec, data = build_data(cfg.data, sizes, world.rank, cfg.seed, world.device)
+        batches = objective_batches(cfg.model, data, spec, cfg.seed, world.rank)
         model = build_model(cfg.model, spec).to(world.device)
+        if cfg.sync_bn:
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         optimizer = build_optimizer(cfg.optim, model.parameters())
         injector = Injector(cfg.imbalance, world.rank, cfg.seed)
         resumed, earlier, state = 0, [], None
@@ -75,7 +79,11 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
             done, state = checkpoint.load(Path(cfg.resume), world.rank)
             checkpoint.restore_training(state, model, optimizer)
             resumed, earlier = done + 1, checkpoint.earlier_records(Path(cfg.resume), world.rank, done)
+        buffers = BufferSync(model, "local" if cfg.sync_bn else cfg.buffers, world.world_size)
         sync.setup(model, optimizer, world)
+        # The replicas were built alike from one seed; from here on each rank draws its own
+        # randomness (dropout masks), as separate machines would.
+        torch.manual_seed(rank_seed(cfg.seed, world.rank))
         if world.is_main:  # the process group and the parameter servers are up
             tracker = WandbRun(cfg.wandb, plain_cfg, Path(job_dir), identity)
         step_log = StepLog(metrics_path(Path(job_dir), world.rank))
@@ -87,7 +95,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
             loss_weight=loss_weight(sizes, world.rank),
             on_record=tracker.log_step if tracker else None,
             fault=FaultInjector(cfg.fault, world.rank, cfg.seed, cfg.steps), arrivals=arrivals,
-            start_step=resumed,
+            start_step=resumed, buffers=buffers if buffers.flats else None,
             after_step=_checkpointer(cfg, Path(job_dir), world.rank, model, optimizer, injector, step_log),
         )  # fmt: skip
         if state is not None:
@@ -99,8 +107,13 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
             raise
         finally:
             step_log.close()  # everything written before the exchange (or the crash report)
+            batches.close()
         sync.finalize()
-        summary = _finish(plain_cfg, world, model, sync, step_log, records, Path(job_dir))
+        if buffers.flats:
+            buffers.sync()  # the final model's buffers, whatever the last step was
+        facts = {"workload": workload_facts(cfg.model, spec, model), "buffers": buffers.describe(),
+                 "data": batches.describe()}  # fmt: skip
+        summary = _finish(plain_cfg, world, model, sync, step_log, records, Path(job_dir), facts)
         return summary
     finally:
         if arrivals:
@@ -113,13 +126,15 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
 
 def _finish(
     plain_cfg: dict[str, Any], world: World, model: torch.nn.Module, sync: Any,
-    step_log: StepLog, records: list[dict[str, Any]], job_dir: Path,
+    step_log: StepLog, records: list[dict[str, Any]], job_dir: Path, run_facts: dict[str, Any],
 ) -> Optional[dict[str, Any]]:  # fmt: skip
     """After the last step: one all-reduce of enter times (for t_wait), then rank 0 gathers the records."""
     facts = {
+        **run_facts,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "cuda_peak_bytes": torch.cuda.max_memory_allocated(world.device) if world.device.type == "cuda" else None,
         "param_hash": param_hash(model),
+        "buffer_hash": buffer_hash(model),
         "gradient_bytes": gradient_bytes(model),
         "device": str(world.device),
         "backend": world.backend,
@@ -176,9 +191,19 @@ def _exit_on_sigterm(grace_s: float = 3.0) -> None:
 
 
 def param_hash(model: torch.nn.Module) -> str:
-    """Bitwise fingerprint of the parameters: equal hashes on all ranks mean identical replicas."""
+    """Bitwise fingerprint of the parameters and buffers: equal hashes on all ranks mean identical replicas."""
+    return _hash(model.state_dict().items())
+
+
+def buffer_hash(model: torch.nn.Module) -> Optional[str]:
+    """Bitwise fingerprint of the buffers alone (BatchNorm's statistics); None for a model without any."""
+    named = list(model.named_buffers())
+    return _hash(named) if named else None
+
+
+def _hash(named: Any) -> str:
     digest = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
+    for name, tensor in named:
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]

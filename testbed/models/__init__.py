@@ -1,25 +1,122 @@
-"""Models by name. Each is built from its config group node and the data's input spec."""
+"""Models by name (the ``model=`` option), each built from its config node and the data's spec.
+
+A model kind says what it builds and which data it reads; ``check_fits`` builds any model on the
+meta device and runs one forward pass, so a model that cannot read the data fails before a rank
+is spawned, with the model and data named.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
+import torch
 from torch import nn
 
 from testbed.data import DataSpec
-from testbed.models.cnn import ResNet
+from testbed.models.cnn import ResNet as SmallResNet
+from testbed.models.custom import build_custom
+from testbed.models.language import MaskedTokens, build_bert, build_gpt2, flops_per_token
 from testbed.models.mlp import Mlp
+from testbed.models.resnet import resnet
 from testbed.models.transformer import Gpt
+from testbed.models.vgg import vgg16
+
+
+@dataclass(frozen=True)
+class ModelKind:
+    build: Callable[[Any, DataSpec], nn.Module]
+    reads: Optional[str]  # the data kind it takes ("classification" | "lm"); None: any, judged by its output
+    language: bool = False  # a language model: throughput in tokens, MFU from flops_per_token
+
+
+def _resnet(depth: int) -> Callable[[Any, DataSpec], nn.Module]:
+    def build(cfg: Any, spec: DataSpec) -> nn.Module:
+        layers = list(cfg.layers) if cfg.get("layers") else None
+        return resnet(depth, spec.num_classes, spec.shape[0], cfg.width, layers)
+
+    return build
+
+
+MODELS: dict[str, ModelKind] = {
+    "mlp": ModelKind(lambda cfg, spec: Mlp(spec.input_numel, spec.num_classes, cfg.hidden, cfg.depth), "classification"),
+    "cnn": ModelKind(lambda cfg, spec: SmallResNet(spec.shape[0], spec.num_classes, cfg.width, list(cfg.blocks)),
+                     "classification"),  # fmt: skip
+    "transformer": ModelKind(lambda cfg, spec: Gpt(spec.vocab_size, spec.seq_len, cfg.d_model, cfg.n_layer, cfg.n_head),
+                             "lm", language=True),  # fmt: skip
+    "resnet18": ModelKind(_resnet(18), "classification"),
+    "resnet50": ModelKind(_resnet(50), "classification"),
+    "resnet101": ModelKind(_resnet(101), "classification"),
+    "vgg16": ModelKind(lambda cfg, spec: vgg16(spec.num_classes, spec.shape[0], cfg.width, cfg.hidden, cfg.dropout),
+                       "classification"),  # fmt: skip
+    "gpt2": ModelKind(build_gpt2, "lm", language=True),
+    "bert": ModelKind(build_bert, "lm", language=True),
+    "custom": ModelKind(build_custom, None),
+}
+
+
+def model_kind(name: str) -> ModelKind:
+    if name not in MODELS:
+        raise ValueError(f"model={name}: unknown; allowed: {'|'.join(MODELS)}")
+    return MODELS[name]
 
 
 def build_model(cfg: Any, spec: DataSpec) -> nn.Module:
-    if cfg.name == "mlp":
-        return Mlp(spec.input_numel, spec.num_classes, cfg.hidden, cfg.depth)
-    if cfg.name == "cnn":
-        return ResNet(spec.shape[0], spec.num_classes, cfg.width, list(cfg.blocks))
-    if cfg.name == "transformer":
-        return Gpt(spec.vocab_size, spec.seq_len, cfg.d_model, cfg.n_layer, cfg.n_head)
-    raise ValueError(f"model={cfg.name}: unknown; allowed: mlp|cnn|transformer")
+    return model_kind(cfg.name).build(cfg, spec)
+
+
+def objective_batches(cfg: Any, batches: Any, spec: DataSpec, seed: int, rank: int) -> Any:
+    """The batch stream the model trains on: BERT masks its tokens; the others read the data as is."""
+    return MaskedTokens(batches, cfg, spec.vocab_size, seed, rank) if cfg.name == "bert" else batches
+
+
+def example_input(spec: DataSpec, batch: int, device: str | torch.device) -> torch.Tensor:
+    if spec.kind == "lm":
+        return torch.zeros(batch, spec.seq_len, dtype=torch.long, device=device)
+    return torch.zeros(batch, *spec.shape, device=device)
+
+
+def check_fits(cfg: Any, spec: DataSpec) -> None:
+    """Build the model and run a forward pass of two samples; raise ValueError (one line naming the
+    model and the data) when it cannot be built or its output does not fit the data's targets.
+
+    Shapes only, on the meta device (no memory, no compute); a model with an operation the meta
+    device lacks is tried on the CPU.
+    """
+    expected = (2, spec.seq_len, spec.vocab_size) if spec.kind == "lm" else (2, spec.num_classes)
+    for device in ("meta", "cpu"):
+        try:
+            with torch.device(device):
+                model = build_model(cfg, spec)
+                out = model(example_input(spec, 2, device))
+        except ValueError:
+            raise
+        except Exception as exc:
+            if device == "meta":
+                continue
+            raise ValueError(f"model={cfg.name} cannot read this data (input shape {_shape(spec)}): {exc}") from None
+        break
+    shape = tuple(out.shape) if isinstance(out, torch.Tensor) else None
+    if shape != expected:
+        what = "logits (batch, seq_len, vocab_size)" if spec.kind == "lm" else "logits (batch, num_classes)"
+        raise ValueError(
+            f"model={cfg.name} returns {shape or type(out).__name__} for a batch of 2 with input shape {_shape(spec)}; "
+            f"the data needs {what} = {expected}"
+        )
+
+
+def _shape(spec: DataSpec) -> list[int]:
+    return [spec.seq_len] if spec.kind == "lm" else list(spec.shape)
+
+
+def workload_facts(cfg: Any, spec: DataSpec, model: nn.Module) -> dict[str, Any]:
+    """The field's throughput unit for this workload, and the FLOPs behind MFU where they are known."""
+    if model_kind(cfg.name).language or spec.kind == "lm":
+        facts: dict[str, Any] = {"unit": "tokens", "per_sample": spec.seq_len}
+        if model_kind(cfg.name).language:
+            facts["flops_per_item"] = flops_per_token(cfg, model, spec.seq_len)
+        return facts
+    return {"unit": "images" if len(spec.shape) == 3 else "samples", "per_sample": 1}
 
 
 def gradient_bytes(model: nn.Module) -> int:

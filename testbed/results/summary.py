@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from testbed import config
 from testbed.results.step_log import metrics_path, read_step_log
+from testbed.results.workload import workload_throughput
 from testbed.sync import REGISTRY
 from testbed.timing import PHASES, compute_time, fill_wait, percentile
 
@@ -137,7 +138,12 @@ def summarize(
         summary["cuda_peak_bytes"] = [p.get("cuda_peak_bytes") for p in per_rank]
         hashes = [p["param_hash"] for p in per_rank]
         summary["param_hash"] = hashes
-        summary["replicas_identical"] = len(set(hashes)) == 1
+        summary["replicas_identical"] = len(set(hashes)) == 1  # parameters and buffers, bitwise
+        summary["buffer_hash"] = [p.get("buffer_hash") for p in per_rank]
+        summary["buffers_identical"] = len(set(summary["buffer_hash"])) == 1
+        summary["buffers"] = per_rank[0].get("buffers")
+        summary["data"] = per_rank[0].get("data")
+        summary.update(workload_throughput(summary["throughput"], per_rank[0].get("workload"), cfg, per_rank[0]["device"]))
         summary["gradient_bytes"] = per_rank[0]["gradient_bytes"]
         summary["device"] = per_rank[0]["device"]
         summary["backend"] = per_rank[0]["backend"]

@@ -257,7 +257,7 @@ def simulate(cfg: Any) -> dict[str, Any]:
     """The summary a run of ``cfg`` is predicted to produce (config.ConfigError for a bad config)."""
     # Every rank is simulated and none spawned: no network to build, no GPU per rank to find.
     plain = config.to_plain(cfg)
-    config.validate(OmegaConf.create({**plain, "network": {"name": "loopback"}}), local_world_size=1)
+    config.validate(OmegaConf.create({**plain, "network": {"name": "loopback"}}), local_world_size=1, simulated=True)
     prediction = predict(cfg)
     summary = summarize(plain, prediction.records)
     summary.update(simulated=True, final_loss=None, loss_first=None, gradient_bytes=prediction.facts["gradient_bytes"],

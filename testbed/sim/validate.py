@@ -67,6 +67,7 @@ def validate(roots: list[Path], calibration: str, cores: Optional[int]) -> list[
             "option": next((o.split("=", 1)[1] for o in overrides if o.startswith("sync=")), summary["sync"]),
             "world_size": summary["world_size"],
             "setting": _setting(overrides, True),
+            "global_batch": summary["global_batch"],
             "measured": summary["step_time"],
             "predicted": _predict(summary, calibration, summary["job_dir"], None),
             "predicted_single": _predict(summary, calibration, single["job_dir"], cores) if single else math.nan,

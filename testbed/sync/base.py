@@ -29,6 +29,9 @@ class SyncReport:
     # Busy communication time: how long collectives were in flight, overlapped with backward or not
     # (testbed.timing); None where the synchronizer cannot tell (DDP).
     t_comm: Optional[float] = None
+    # The replicas' parameters are equal after this step, so their buffers are made equal too
+    # (testbed.buffers); False for local steps, asynchronous updates and no synchronization.
+    replicas_agree: bool = True
 
 
 class Synchronizer(ABC):

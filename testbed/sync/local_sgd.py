@@ -50,7 +50,7 @@ class LocalSgd(Synchronizer):
             return SyncReport(bytes_sent=moved, bytes_recv=moved)
         self.optimizer.step()
         if (step - self.cfg.sync_steps + 1) % self.cfg.period:
-            return SyncReport(t_wait=0.0)  # a local step: nobody to wait for
+            return SyncReport(t_wait=0.0, replicas_agree=False)  # a local step: nobody to wait for
         self._average_(self.flat_params)
         return SyncReport(bytes_sent=moved, bytes_recv=moved)
 

@@ -15,4 +15,4 @@ class NoSync(Synchronizer):
     waits_for_peers = False
 
     def after_backward(self, step: int, is_boundary: bool = True) -> SyncReport:
-        return SyncReport()
+        return SyncReport(replicas_agree=self.world.world_size == 1)

@@ -122,6 +122,7 @@ class ParameterServerSync(Synchronizer):
             bytes_recv=self.bytes_per_step,
             staleness=max(r.staleness for r in replies),
             t_wait=pulled.blocked_s,
+            replicas_agree=self.cfg.mode == "sync",  # async and ssp replicas pull different versions
         )
 
     def finalize(self) -> None:
