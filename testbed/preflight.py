@@ -46,7 +46,7 @@ def _configured_sweep(overrides: list[str]) -> list[str]:
         return []  # reported with the point that fails
     params = cfg.hydra.sweeper.get("params") or {}
     given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
-    return [f"{key}={value}" for key, value in params.items() if key not in given]
+    return [f"{key}={value}" for key, value in params.items() if key.lstrip("+~") not in given]
 
 
 def check_command_line(argv: list[str]) -> int:

@@ -137,3 +137,8 @@ def test_every_preset_composes_and_validates_every_point(preset: str, tmp_path: 
     except ConfigError as exc:
         # Presets on emulated links need root and iproute2; that is the only complaint allowed.
         assert "network=emulated" in str(exc) and ("root" in str(exc) or "iproute2" in str(exc)), exc
+
+
+def test_a_command_line_key_replaces_the_presets_sweep_of_it() -> None:
+    """``+paper_model=vgg16`` on the command line replaces the preset's ``+paper_model`` sweep."""
+    assert check_command_line(["+experiment=horovod", "+paper_model=vgg16", "world_size=1,2"]) == 4 * 2

@@ -24,12 +24,12 @@ from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from testbed import checkpoint, config
+from testbed.buffers import BufferSync
 from testbed.data import build_data
+from testbed.data.loader import rank_seed
 from testbed.faults import FaultInjector
 from testbed.imbalance import Injector, loss_weight, shard_batches
 from testbed.launch.stall import Arrivals, StallError
-from testbed.buffers import BufferSync
-from testbed.data.loader import rank_seed
 from testbed.models import build_model, gradient_bytes, objective_batches, workload_facts
 from testbed.netem import enter_rank_namespace
 from testbed.optim import build_optimizer
