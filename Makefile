@@ -3,6 +3,7 @@
 #               its scaling figure and report under results/compare/<time>/analysis
 #   make test   set up .venv, run the test suite (what CI runs)
 # Figures: make figure PRESET=stragglers [ARGS="seed=0"]; make figures runs every preset;
+# measured beside simulated: make figure PRESET=paper_models ANALYSIS_ARGS="--calibration docs/sim/calibration.json";
 # simulated ones: make sim-figure PRESET=horovod (or scaling_sim).
 PYTHON ?= python3
 # torch==2.13.0 is a CPU build on the project's machines; CUDA users set TORCH_SPEC to their build.
@@ -11,7 +12,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-PRESETS := compare scaling overlap buckets accumulation stragglers diminishing
+PRESETS := compare scaling overlap buckets accumulation stragglers diminishing paper_models
 SIM_PRESETS := scaling_sim horovod
 RUN_DIR = results/$(PRESET)/$(shell date +%Y-%m-%d_%H-%M-%S)
 
@@ -32,7 +33,7 @@ figure: $(STAMP)
 	@test -n "$(PRESET)" || { echo "usage: make figure PRESET=<one of: $(PRESETS)> [ARGS=...]"; exit 2; }
 	$(eval DIR := $(RUN_DIR))
 	$(BIN)/python -m testbed +experiment=$(PRESET) launcher.echo_rank0=false hydra.sweep.dir=$(DIR) $(ARGS)
-	$(BIN)/python -m analysis $(DIR) --out $(DIR)/analysis
+	$(BIN)/python -m analysis $(DIR) --out $(DIR)/analysis $(ANALYSIS_ARGS)
 
 sim-figure: $(STAMP)
 	@test -n "$(PRESET)" || { echo "usage: make sim-figure PRESET=<one of: $(SIM_PRESETS)> [ARGS=...]"; exit 2; }

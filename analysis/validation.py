@@ -16,6 +16,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.ticker import NullFormatter  # noqa: E402
 
 from analysis.figures import _save  # noqa: E402
+from analysis.load import QUIET  # noqa: E402
 from analysis.report import markdown_table  # noqa: E402
 from testbed.sim.validate import geometric_error  # noqa: E402
 
@@ -80,13 +81,14 @@ def draw_scaling(rows: list[dict[str, Any]], out: Path) -> list[Path]:
             for series, style in ((measured, "-o"), (predicted, "--x")):
                 ax_x.plot(s.index, series, style, color=colors[option], label=option if style == "-o" else None)
                 ax_e.plot(s.index, series / (s.index * best), style, color=colors[option])
-        ax_x.set(xlabel="workers", ylabel="throughput (samples/s)", title=setting or "all runs", ylim=(0, None))
-        ax_e.set(xlabel="workers", ylabel="efficiency X(n) / (n X(1))", ylim=(0, 1.05),
-                 title="solid: measured, dashed: simulated")  # fmt: skip
+        title = ",".join(o for o in setting.split(",") if not o.startswith(QUIET)) or "all runs"
+        ax_x.set(xlabel="workers", ylabel="throughput (samples/s)", title=title, ylim=(0, None))
+        ax_e.set(xlabel="workers", ylabel="efficiency X(n) / (n X(1))", ylim=(0, 1.05), title=title)
         for ax in (ax_x, ax_e):
             ax.set_xticks(sorted(g["world_size"].unique()))
             ax.grid(alpha=0.3)
         ax_x.legend(fontsize=7)
+    fig.suptitle("measured (solid) and simulated from the single worker's compute (dashed)")
     fig.tight_layout()
     return _save(fig, out, "predicted_scaling")
 

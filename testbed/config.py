@@ -9,6 +9,7 @@ one line that names the field, the allowed values and the fix.
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,8 @@ from typing import Any, Optional
 import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+
+from testbed.data.loader import TOKEN_DTYPES, WORKER_STARTS, TokenFile
 
 
 class ConfigError(ValueError):
@@ -232,8 +235,6 @@ class DataConfig:
     drop_last: bool = True  # drop the epoch's last partial global batch; false: pad it by wrapping around
 
 
-WORKER_STARTS = ("forkserver", "spawn")
-TOKEN_DTYPES = ("uint16", "uint32")
 BUFFER_POLICIES = ("broadcast", "average", "local")
 
 
@@ -624,8 +625,10 @@ def _validate_data(cfg: DictConfig) -> None:
     if data.name == "tokens":
         _require(data.dtype in TOKEN_DTYPES, f"data.dtype={data.dtype}: allowed: {'|'.join(TOKEN_DTYPES)}")
         _require(data.vocab_size >= 2, f"data.vocab_size={data.vocab_size}: the token file's vocabulary, >= 2")
-        _require(data.path is not None and Path(data.path).is_file(),
-                 f"data.path={data.path}: no such file; give a flat {data.dtype} token file (nanoGPT's train.bin)")  # fmt: skip
+        try:  # the file's size against dtype and seq_len: a stat, not a read
+            TokenFile(str(data.path), data.seq_len, data.dtype)
+        except ValueError as exc:
+            raise ConfigError(f"{exc}; data=tokens reads a flat {data.dtype} token file (nanoGPT's train.bin)") from None
     if data.name in ("image_folder", "tokens"):
         _require(data.num_workers >= 0, f"data.num_workers={data.num_workers}: must be >= 0 (0: load in the rank)")
         _require(data.prefetch_factor >= 1, f"data.prefetch_factor={data.prefetch_factor}: must be >= 1")
@@ -821,5 +824,15 @@ def to_plain(cfg: DictConfig) -> dict[str, Any]:
     return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
 
 
-# Importing this module makes the schemas available to every entry point (app, Compose API, tests).
+def short_dirname(name: str, limit: int = 200) -> str:
+    """A sweep job's directory name within file systems' 255-byte limit: a long list of overrides
+    is cut and ends in a hash of the whole, so names stay unique and readable."""
+    if len(name.encode()) <= limit:
+        return name
+    return f"{name.encode()[: limit - 17].decode(errors='ignore')}-{hashlib.sha256(name.encode()).hexdigest()[:16]}"
+
+
+# Importing this module makes the schemas (and the resolver that config.yaml's sweep subdir uses)
+# available to every entry point (app, Compose API, tests).
 register_schemas()
+OmegaConf.register_new_resolver("short_dirname", short_dirname, replace=True)

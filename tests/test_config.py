@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 from hydra import compose, initialize_config_dir
+from PIL import Image
 
 from testbed import config
 from testbed.config import ConfigError, validate
@@ -25,6 +26,7 @@ def composed(overrides: list[str]):
 def test_every_option_composes_and_validates(group: str, option: str, tmp_path: Path) -> None:
     (tmp_path / "train.bin").write_bytes(bytes(400))
     (tmp_path / "images" / "cat").mkdir(parents=True)
+    Image.new("RGB", (10, 8)).save(tmp_path / "images" / "cat" / "0.png")
     extra = {
         "model=transformer": ["data=lm"], "data=lm": ["model=transformer"],
         "model=gpt2": ["data=lm", "model.n_layer=1"], "model=bert": ["data=lm", "model.n_layer=1"],
@@ -142,3 +144,11 @@ def test_every_preset_composes_and_validates_every_point(preset: str, tmp_path: 
 def test_a_command_line_key_replaces_the_presets_sweep_of_it() -> None:
     """``+paper_model=vgg16`` on the command line replaces the preset's ``+paper_model`` sweep."""
     assert check_command_line(["+experiment=horovod", "+paper_model=vgg16", "world_size=1,2"]) == 4 * 2
+
+
+def test_long_override_lists_give_short_unique_job_directories() -> None:
+    long = ",".join(f"model.key{i}=value{i}" for i in range(20))  # 359 bytes: over the file-name limit
+    assert config.short_dirname("sync=ring,world_size=2") == "sync=ring,world_size=2"
+    cut = config.short_dirname(long)
+    assert len(cut.encode()) <= 200 and cut.startswith("model.key0=value0,")
+    assert cut != config.short_dirname(long.replace("value19", "value20"))  # the hash keeps them apart

@@ -13,7 +13,7 @@ from testbed.data.datasets import load_dataset
 from testbed.models import build_model, gradient_bytes
 from testbed.paths import config_dir
 from testbed.sim.costs import Link, parameter_server, ring
-from testbed.sim.step import exposed_comm, gradient_tensors, simulate
+from testbed.sim.step import exposed_comm, gradient_ready, gradient_tensors, simulate
 from testbed.sync.base import bucket_ends
 
 MS = 1e-3
@@ -52,6 +52,20 @@ def test_overlap_hides_communication_behind_backward() -> None:
     assert exposed_comm([1.0, 1.0], lambda b: 1.0, 1.0, overlap=False) == 2.0
     assert exposed_comm([1.0, 1.0], lambda b: 1.0, 1.0, overlap=True) == pytest.approx(1.5)
     assert exposed_comm([1.0, 1.0], lambda b: 0.1, 1.0, overlap=True) == pytest.approx(0.1)  # only the tail
+    # Ready when backward has done 10 % and 100 % of its work: the first bucket is hidden entirely.
+    assert exposed_comm([1.0, 1.0], lambda b: 0.5, 1.0, overlap=True, ready=[0.1, 1.0]) == pytest.approx(0.5)
+
+
+def test_gradients_are_ready_as_backward_passes_their_layers() -> None:
+    """VGG-16: the fully connected layers hold 90 % of the bytes and come first in backward, but
+    take under 1 % of its FLOPs; the first convolution's gradient is complete only at the end."""
+    cfg = cfg_of(["+paper_model=vgg16"])
+    ready, sizes = gradient_ready(cfg), gradient_tensors(cfg)
+    assert len(ready) == len(sizes) == 32 and ready == sorted(ready)  # in the order backward produces them
+    fc = sum(sizes[:6])  # classifier.6, .3 and .0: weights and biases
+    assert fc / sum(sizes) > 0.85 and ready[5] < 0.01
+    assert ready[-1] == pytest.approx(1.0)
+    assert gradient_ready(cfg_of(["sim.gradient_mb=10"])) is None  # a model the testbed does not build
 
 
 @pytest.mark.parametrize("n", [2, 4, 64, 1024])
@@ -132,6 +146,7 @@ def test_validation_predicts_measured_runs(tmp_path: Path) -> None:
     proc = run_cli([str(sweep), "--calibration", str(calibration), "--out", str(out)], cwd=tmp_path, module="analysis")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (out / "validation.png").stat().st_size > 1000
+    assert (out / "predicted_scaling.png").stat().st_size > 1000  # measured beside predicted, per setting
     report = (out / "report.md").read_text()
     section = report.split("## Simulator validation", 1)[1]
     assert "| all |" in section and "no communication" in section

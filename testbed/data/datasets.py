@@ -3,11 +3,11 @@ digits) and the input spec of every data set, in memory or read from files (test
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
+from testbed.data.loader import ImageFolder
 from testbed.data.spec import DataSpec
 
 
@@ -32,19 +32,10 @@ def spec_for(cfg: Any) -> DataSpec:
     if cfg.name == "synthetic_images":
         return DataSpec("classification", (3, cfg.image_size, cfg.image_size), num_classes=cfg.num_classes)
     if cfg.name == "image_folder":
-        return DataSpec("classification", (3, cfg.image_size, cfg.image_size), num_classes=len(image_classes(cfg.root)))
+        # Scans the folders (as torchvision's ImageFolder does), so a bad root fails before any rank starts.
+        classes = ImageFolder(cfg.root, cfg.image_size).classes
+        return DataSpec("classification", (3, cfg.image_size, cfg.image_size), num_classes=len(classes))
     raise ValueError(f"data={cfg.name}: unknown; allowed: synthetic|lm|digits|synthetic_images|image_folder|tokens")
-
-
-def image_classes(root: Optional[str]) -> list[str]:
-    """The class folders of an ImageNet-layout root, sorted (torchvision's ImageFolder rule)."""
-    path = Path(root or "")
-    if not root or not path.is_dir():
-        raise ValueError(f"data.root={root}: no such directory; give a folder with one subfolder of images per class")
-    classes = sorted(entry.name for entry in path.iterdir() if entry.is_dir())
-    if not classes:
-        raise ValueError(f"data.root={root}: no class folders in it; the layout is <root>/<class>/<image>.jpg")
-    return classes
 
 
 def synthetic_classification(

@@ -157,7 +157,7 @@ class ImageFolder(Dataset):
     def __init__(self, root: str, image_size: int) -> None:
         path = Path(root)
         if not path.is_dir():
-            raise ValueError(f"data.root={root}: no such directory")
+            raise ValueError(f"data.root={root}: no such directory; give a folder with one subfolder of images per class")
         self.classes = sorted(d.name for d in path.iterdir() if d.is_dir())
         if not self.classes:
             raise ValueError(f"data.root={root}: no class folders (expected root/<class>/<image>)")

@@ -19,6 +19,7 @@ run, so ``summary.json`` has the same fields (marked ``simulated``).
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,11 +28,12 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 from omegaconf import OmegaConf
+from torch.utils.flop_counter import FlopCounterMode
 
 from testbed import config
 from testbed.data.datasets import spec_for
 from testbed.imbalance import shard_batches
-from testbed.models import build_model
+from testbed.models import build_model, example_input
 from testbed.netem import parse_rate
 from testbed.paths import config_dir
 from testbed.results.summary import summarize
@@ -79,6 +81,45 @@ def gradient_tensors(cfg: Any) -> list[int]:
     with torch.device("meta"):  # shapes only: no memory, no initialization
         model = build_model(cfg.model, spec_for(cfg.data))
     return [p.numel() * p.element_size() for p in reversed(list(model.parameters())) if p.requires_grad]
+
+
+def gradient_ready(cfg: Any) -> Optional[list[float]]:
+    """For each gradient of ``gradient_tensors``, the share of backward done when it is complete.
+
+    Backward visits the layers in reverse forward order, each taking time in proportion to its
+    forward FLOPs (counted on the meta device); a parameter's gradient is complete once backward
+    has passed the first layer that uses it. Where bytes and FLOPs sit apart (VGG-16: 90 % of the
+    bytes in the fully connected layers, whose gradients come first; nearly all FLOPs in the
+    convolutions after them), an even rate of bytes over backward would place most communication
+    late. None for a model the testbed does not build (``sim.gradient_mb``).
+    """
+    if cfg.sim.gradient_mb is not None:
+        return None
+    spec = spec_for(cfg.data)
+    with torch.device("meta"):
+        model = build_model(cfg.model, spec)
+        first_use: dict[str, int] = {}
+
+        def seen(name: str) -> Callable[..., None]:
+            return lambda *_: None if name in first_use else first_use.update({name: len(first_use)})
+
+        leaves = [(name, m) for name, m in model.named_modules() if not list(m.children())]
+        hooks = [m.register_forward_hook(seen(name)) for name, m in leaves]
+        with FlopCounterMode(display=False) as counter:
+            model(example_input(spec, 1, "meta"))
+    for hook in hooks:
+        hook.remove()
+    counts = counter.get_flop_counts()
+    root = type(model).__name__
+    flops = [float(sum(counts.get(f"{root}.{name}", {}).values())) for name in sorted(first_use, key=first_use.get)]
+    total = sum(flops) or 1.0
+    done_after = list(itertools.accumulate(reversed(flops)))[::-1]  # backward work once layer i is done
+    ready: dict[int, float] = {}
+    for name, module in leaves:
+        if name in first_use:
+            for p in module.parameters(recurse=False):
+                ready[id(p)] = max(ready.get(id(p), 0.0), done_after[first_use[name]] / total)
+    return [ready.get(id(p), 1.0) for p in reversed(list(model.parameters())) if p.requires_grad]
 
 
 @dataclass(frozen=True)
@@ -138,19 +179,25 @@ def _in_checkout(path: str) -> Path:
     return given if given.is_absolute() or given.exists() else Path(config_dir()).parent / given
 
 
-def exposed_comm(buckets: list[float], cost_s: Callable[[float], float], backward_s: float, overlap: bool) -> float:
+def exposed_comm(
+    buckets: list[float], cost_s: Callable[[float], float], backward_s: float, overlap: bool,
+    ready: Optional[list[float]] = None,
+) -> float:  # fmt: skip
     """Communication time not hidden behind backward.
 
-    Without overlap every bucket runs after backward. With it, bucket j is ready when backward has
-    produced its share of the bytes, and one thread runs the buckets in order.
+    Without overlap every bucket runs after backward. With it, bucket j is ready once backward has
+    done ``ready[j]`` of its work (default: once it has produced bucket j's share of the bytes, an
+    even rate), and one thread runs the buckets in order.
     """
     times = [cost_s(b) for b in buckets]
     if not overlap:
         return sum(times)
-    total, produced, finish = sum(buckets), 0.0, 0.0
-    for size, t in zip(buckets, times):
-        produced += size
-        finish = max(finish, backward_s * produced / total) + t
+    if ready is None:
+        total = sum(buckets)
+        ready = [produced / total for produced in itertools.accumulate(buckets)]
+    finish = 0.0
+    for share, t in zip(ready, times):
+        finish = max(finish, backward_s * share) + t
     return max(0.0, finish - backward_s)
 
 
@@ -210,8 +257,10 @@ def predict(cfg: Any) -> Prediction:
             buckets = [sum(tensors[a:b]) for a, b in zip([0, *ends], ends)]
             overlap = sync.name == "ddp" or bool(sync.get("overlap", False))  # DDP always overlaps
             backward = per_sample[2] * max(sizes)  # the boundary micro-step's backward
-            facts.update(buckets=len(buckets), overlap=overlap)
-            comm_at = np.full(steps, exposed_comm(buckets, cost_s, backward, overlap))
+            shares = gradient_ready(cfg) if overlap else None
+            ready = [max(shares[a:b]) for a, b in zip([0, *ends], ends)] if shares else None
+            facts.update(buckets=len(buckets), overlap=overlap, ready_from="flops" if ready else "bytes")
+            comm_at = np.full(steps, exposed_comm(buckets, cost_s, backward, overlap, ready))
     if sync.name == "ps":
         wait, comm = _parameter_server(cfg, work, gradient_bytes, link)
     else:
