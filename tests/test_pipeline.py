@@ -59,6 +59,7 @@ def test_token_file_trains_like_one_process(tmp_path: Path) -> None:
     for n in (1, 3):
         proc = run_cli([*common, f"world_size={n}", f"hydra.run.dir={tmp_path / str(n)}"], cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tokens/s" in proc.stdout.splitlines()[-3]  # the comparison table shows the field's unit
     parallel = read_json(tmp_path / "3" / "summary.json")
     assert parallel["replicas_identical"] and parallel["data"]["steps_per_epoch"] == 3  # 40 windows, 12 a step
     assert parallel["throughput_items"] == pytest.approx(16 * parallel["throughput"])

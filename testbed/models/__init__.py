@@ -28,6 +28,8 @@ class ModelKind:
     build: Callable[[Any, DataSpec], nn.Module]
     reads: Optional[str]  # the data kind it takes ("classification" | "lm"); None: any, judged by its output
     language: bool = False  # a language model: throughput in tokens, MFU from flops_per_token
+    # Wraps the data's batch stream in the model's own objective (BERT's masking); None: as is.
+    objective: Optional[Callable[..., Any]] = None
 
 
 def _resnet(depth: int) -> Callable[[Any, DataSpec], nn.Module]:
@@ -50,7 +52,7 @@ MODELS: dict[str, ModelKind] = {
     "vgg16": ModelKind(lambda cfg, spec: vgg16(spec.num_classes, spec.shape[0], cfg.width, cfg.hidden, cfg.dropout),
                        "classification"),  # fmt: skip
     "gpt2": ModelKind(build_gpt2, "lm", language=True),
-    "bert": ModelKind(build_bert, "lm", language=True),
+    "bert": ModelKind(build_bert, "lm", language=True, objective=MaskedTokens),
     "custom": ModelKind(build_custom, None),
 }
 
@@ -67,7 +69,8 @@ def build_model(cfg: Any, spec: DataSpec) -> nn.Module:
 
 def objective_batches(cfg: Any, batches: Any, spec: DataSpec, seed: int, rank: int) -> Any:
     """The batch stream the model trains on: BERT masks its tokens; the others read the data as is."""
-    return MaskedTokens(batches, cfg, spec.vocab_size, seed, rank) if cfg.name == "bert" else batches
+    objective = model_kind(cfg.name).objective
+    return batches if objective is None else objective(batches, cfg, spec.vocab_size, seed, rank)
 
 
 def example_input(spec: DataSpec, batch: int, device: str | torch.device) -> torch.Tensor:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 COLUMNS = (
-    ("sync", "sync"), ("n", "world_size"), ("status", "status"), ("samples/s", "throughput"),
+    ("sync", "sync"), ("n", "world_size"), ("status", "status"), ("samples/s", "throughput"), ("tokens/s", "tokens"),
     ("step ms", "step_ms"), ("sync ms", "sync_ms"), ("wait ms", "wait_ms"), ("imbalance", "imbalance"), ("speedup", "speedup"),
     ("efficiency", "efficiency"), ("MB/step", "mb_per_step"), ("loss", "final_loss"),
 )  # fmt: skip
@@ -38,6 +38,8 @@ def summary_row(summary: dict[str, Any]) -> dict[str, Any]:
         "world_size": summary.get("world_size"),
         "status": summary.get("status"),
         "throughput": summary.get("throughput"),
+        # Language models: the field's unit (images/s equal samples/s, so they need no column).
+        "tokens": summary.get("throughput_items") if summary.get("throughput_unit") == "tokens/s" else None,
         "step_ms": None if summary.get("step_time") is None else 1e3 * summary["step_time"],
         "sync_ms": _ms(summary, "t_sync"),
         "wait_ms": _ms(summary, "t_wait"),
@@ -85,9 +87,13 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+OPTIONAL = ("tokens",)  # printed only when a row has a value
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
-    header = [title for title, _ in COLUMNS]
-    body = [[_cell(row.get(key)) for _, key in COLUMNS] for row in rows]
+    columns = [(t, k) for t, k in COLUMNS if k not in OPTIONAL or any(row.get(k) is not None for row in rows)]
+    header = [title for title, _ in columns]
+    body = [[_cell(row.get(key)) for _, key in columns] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(header)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
     lines.append("  ".join("-" * w for w in widths))
