@@ -257,7 +257,7 @@ def test_synthetic_batches_repeat_one_batch_per_rank() -> None:
     images, labels = rank0.batch(0)
     assert images.shape == (6, 3, 4, 4) and labels.shape == (6,)
     assert labels.dtype == torch.int64 and 0 <= labels.min() and labels.max() < 5
-    again = rank0.to(cpu).batch(9)
+    again = rank0.batch(9)
     assert again[0] is images and again[1] is labels  # no work per step
     same = SyntheticImageBatches((3, 4, 4), num_classes=5, batch=6, rank=0, seed=1, device=cpu).batch(0)
     assert torch.equal(same[0], images) and torch.equal(same[1], labels)

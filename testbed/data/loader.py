@@ -137,10 +137,6 @@ class LoaderBatches:
         return {"samples": self.sampler.num_samples, "steps_per_epoch": self.sampler.steps_per_epoch,
                 "epochs": self.epochs_started, "num_workers": self.loader.num_workers}  # fmt: skip
 
-    def to(self, device: torch.device) -> "LoaderBatches":
-        """Batches stay on the host; the trainer moves each one (pinned, if ``pin_memory``)."""
-        return self
-
     def close(self) -> None:
         """Shut the workers down: the loader holds persistent workers' iterator too, so drop both."""
         self._iterator = None
@@ -248,10 +244,6 @@ class SyntheticImageBatches:
 
     def describe(self) -> dict[str, Any]:
         return {"samples": int(self.images.shape[0]), "synthetic": True}
-
-    def to(self, device: torch.device) -> "SyntheticImageBatches":
-        self.images, self.labels = self.images.to(device), self.labels.to(device)
-        return self
 
     def close(self) -> None:
         """Nothing to shut down (the interface of ``LoaderBatches``)."""

@@ -93,10 +93,6 @@ class MaskedTokens:
         inputs[randomised] = torch.randint(0, self.vocab_size, tokens.shape, generator=gen).to(tokens.device)[randomised]
         return inputs, torch.where(chosen, tokens, torch.full_like(tokens, IGNORE))
 
-    def to(self, device: torch.device) -> "MaskedTokens":
-        self.batches = self.batches.to(device)
-        return self
-
     def describe(self) -> dict[str, Any]:
         return {**self.batches.describe(), "mask_prob": self.prob}
 
