@@ -29,7 +29,7 @@ QUIET = ("sync=", "+experiment=", "device=", "launcher.", "hydra.", "wandb.", "s
 
 def run_row(summary: dict[str, Any], overrides: list[str], source: str) -> dict[str, Any]:
     cfg = summary.get("config") or {}
-    row: dict[str, Any] = {"source": source, "sync": sync_label(cfg) or summary.get("sync"), "seed": cfg.get("seed")}
+    row: dict[str, Any] = {"source": source, "sync": sync_label(summary), "seed": cfg.get("seed")}
     row.update({k: summary.get(k) for k in SUMMARY_COLUMNS})
     for phase, spread in (summary.get("phases") or {}).items():
         row[phase] = spread.get("median") if isinstance(spread, dict) else spread

@@ -19,11 +19,11 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from testbed.checks import ConfigError, enum_value, require, resolved_backend, resolved_device
 from testbed.data.loader import TOKEN_DTYPES, WORKER_STARTS, TokenFile
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message is one line naming the field and the fix."""
+from testbed.optim import SCHEMAS as OPTIM_SCHEMAS
+from testbed.paths import config_dir
+from testbed.sync import SYNCHRONIZERS
 
 
 class Device(enum.Enum):
@@ -46,93 +46,6 @@ class Precision(enum.Enum):
 class Scaling(enum.Enum):
     weak = "weak"  # data.batch_size is per worker; the global batch grows with world_size
     strong = "strong"  # data.batch_size is global; each worker gets batch_size / world_size
-
-
-class NcclAlgo(enum.Enum):
-    Ring = "Ring"
-    Tree = "Tree"
-
-
-# --- sync group -------------------------------------------------------------------------------
-
-
-@dataclass
-class SyncBase:
-    # Micro-steps per optimizer step: k forward/backward passes accumulate gradients, and only the
-    # last one (the window's boundary) communicates. The global batch grows k-fold.
-    accumulate: int = 1
-
-
-@dataclass
-class BucketedSyncConfig(SyncBase):
-    # Gradients are all-reduced in buckets of this many MB, in the order backward produces them;
-    # null: one bucket for all gradients; 0: one collective per tensor.
-    bucket_mb: Optional[float] = None
-    # Start each bucket's collective during backward, as soon as its gradients are ready.
-    overlap: bool = False
-
-
-@dataclass
-class NoneSyncConfig(SyncBase):
-    name: str = "none"
-
-
-@dataclass
-class AllReduceSyncConfig(BucketedSyncConfig):
-    name: str = "allreduce"
-    # Forces NCCL's algorithm (exported as NCCL_ALGO before the communicator exists); ignored by Gloo.
-    nccl_algo: Optional[NcclAlgo] = None
-
-
-@dataclass
-class RingSyncConfig(BucketedSyncConfig):
-    name: str = "ring"
-
-
-@dataclass
-class TreeSyncConfig(BucketedSyncConfig):
-    name: str = "tree"
-    # Pipelining granularity: the buffer moves up and down the tree in chunks of this size.
-    chunk_kb: int = 1024
-    # Two complementary binary trees, each carrying half the buffer (NCCL's double binary tree).
-    double: bool = True
-
-
-@dataclass
-class DdpSyncConfig(SyncBase):
-    name: str = "ddp"
-    bucket_mb: float = 25.0  # DistributedDataParallel's bucket_cap_mb
-
-
-@dataclass
-class LocalSgdSyncConfig(SyncBase):
-    name: str = "local_sgd"
-    period: int = 8  # H: parameters are averaged every H optimizer steps
-    sync_steps: int = 0  # post-local SGD: fully synchronous (gradient all-reduce) for the first K steps
-    over: str = "allreduce"  # the averaging collective: allreduce (the backend's) | ring
-
-
-PS_MODES = ("sync", "async", "ssp")
-
-
-@dataclass
-class PsSyncConfig(SyncBase):
-    name: str = "ps"
-    mode: str = "sync"  # sync (BSP) | async (ASP) | ssp (bounded staleness)
-    staleness: int = 2  # ssp: how many clocks a worker may lead the slowest one
-    servers: int = 1  # shards; parameters are split into this many byte-balanced ranges
-    chunk_kb: int = 1024  # streamed chunk size
-    host: str = "127.0.0.1"  # address local servers bind to
-    # Servers started elsewhere (python -m testbed.ps.server); empty: the launcher starts them here.
-    addresses: list[str] = field(default_factory=list)
-    # Push each shard during backward as soon as all its gradients are ready. A shard is pushed
-    # whole, so the granularity is the shard: with one server nothing is ready before backward ends.
-    overlap: bool = False
-    # TLS between workers and servers (PEM files): the servers' certificate and key, and the
-    # authority that signed it, which workers verify the servers' addresses against.
-    tls_cert: Optional[str] = None
-    tls_key: Optional[str] = None
-    tls_ca: Optional[str] = None
 
 
 # --- model group ------------------------------------------------------------------------------
@@ -238,27 +151,6 @@ class DataConfig:
 BUFFER_POLICIES = ("broadcast", "average", "local")
 
 
-# --- optim group ------------------------------------------------------------------------------
-
-
-@dataclass
-class SgdConfig:
-    name: str = "sgd"
-    lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    nesterov: bool = False
-
-
-@dataclass
-class AdamWConfig:
-    name: str = "adamw"
-    lr: float = 1e-3
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    weight_decay: float = 0.01
-
-
 # --- imbalance group (testbed.imbalance) -----------------------------------------------------
 # Every kind adds time to chosen ranks' steps (recorded as t_injected, apart from real compute),
 # except uneven, which changes how many samples each rank computes.
@@ -358,7 +250,7 @@ class EmulatedNetworkConfig:
     name: str = "emulated"
     bandwidth: str = "1gbit"  # per link and direction, in tc's units: bit, kbit, mbit, gbit
     # Added per message by the testbed's own senders (ring, tree, parameter server), not by the
-    # backend's collectives: the kernel has no netem (testbed.netem.latency).
+    # backend's collectives: the kernel has no netem (testbed.latency).
     latency_ms: float = 0.0
 
 
@@ -454,15 +346,7 @@ class Config:
 
 
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
-    "sync": {
-        "none": NoneSyncConfig,
-        "allreduce": AllReduceSyncConfig,
-        "ring": RingSyncConfig,
-        "tree": TreeSyncConfig,
-        "ps": PsSyncConfig,
-        "ddp": DdpSyncConfig,
-        "local_sgd": LocalSgdSyncConfig,
-    },
+    "sync": {name: spec.schema for name, spec in SYNCHRONIZERS.items()},
     "model": {
         "mlp": MlpConfig,
         "cnn": CnnConfig,
@@ -476,7 +360,7 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
         "custom": CustomModelConfig,
     },
     "data": {name: DataConfig for name in ("synthetic", "lm", "digits", "synthetic_images", "image_folder", "tokens")},
-    "optim": {"sgd": SgdConfig, "adamw": AdamWConfig},
+    "optim": OPTIM_SCHEMAS,
     "launcher": {"local": LocalLauncherConfig},
     "imbalance": {
         "none": NoImbalanceConfig,
@@ -506,23 +390,29 @@ def register_schemas() -> None:
     for group, options in GROUP_SCHEMAS.items():
         for name, schema in options.items():
             cs.store(group=f"schema/{group}", name=name, node=schema)
+    cs.store(group="hydra/help", name="testbed", node=_help())
+
+
+def _help() -> dict[str, str]:
+    """``--help``: the groups a user picks from (experiments/), without the internal schema/*."""
+    root = Path(config_dir())
+    groups = sorted(d.name for d in root.iterdir() if d.is_dir() and d.name != "hydra")
+    defaults = OmegaConf.to_container(OmegaConf.load(root / "config.yaml").defaults)
+    chosen = {next(iter(entry)) for entry in defaults if isinstance(entry, dict)}
+    names = {g: g if g in chosen else f"+{g}" for g in groups}
+    width = max(map(len, names.values()))
+    lines = [f"  {names[g]:<{width}}  {', '.join(sorted(p.stem for p in (root / g).glob('*.yaml')))}" for g in groups]
+    return {
+        "app_name": "testbed",
+        "header": "python -m testbed: one data-parallel training run per Hydra job (-m sweeps).",
+        "footer": "Use --hydra-help for Hydra's own options.",
+        "template": "${hydra.help.header}\n== Configuration groups ==\nPick one option per group (group=option; "
+        "+group=option for the groups marked +):\n\n" + "\n".join(lines) + "\n\n== Config ==\nOverride anything "
+        "in the config (foo.bar=value):\n\n$CONFIG\n${hydra.help.footer}\n",
+    }
 
 
 # --- semantic checks --------------------------------------------------------------------------
-
-def resolved_device(cfg: DictConfig) -> str:
-    device = enum_value(cfg.device)
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
-def resolved_backend(cfg: DictConfig) -> str:
-    backend = enum_value(cfg.backend)
-    if backend == "auto":
-        return "nccl" if resolved_device(cfg) == "cuda" else "gloo"
-    return backend
-
 
 def per_rank_batch(cfg: DictConfig) -> int:
     if enum_value(cfg.data.scaling) == "strong":
@@ -541,29 +431,29 @@ def validate(cfg: DictConfig, local_world_size: Optional[int] = None, simulated:
     ``local_world_size`` is the number of ranks on this machine (world_size when we spawn them);
     ``simulated``: the config is predicted (python -m testbed.sim), not run.
     """
-    _require(simulated or cfg.sim.gradient_mb is None,
+    require(simulated or cfg.sim.gradient_mb is None,
              f"sim.gradient_mb={cfg.sim.gradient_mb} stands for a model the testbed does not build (a simulator-only "
              f"paper_model such as inception_v3?), but this run measures model={cfg.model.name}; predict it with "
              "python -m testbed.sim, or measure a built model (model=..., or model=custom model.target=...)")  # fmt: skip
     local = int(cfg.world_size) if local_world_size is None else local_world_size
     for group, options in GROUP_SCHEMAS.items():
         name = cfg[group].name
-        _require(name in options, f"{group}.name={name}: unknown; allowed: {'|'.join(options)}")
-    _require(cfg.world_size >= 1, f"world_size={cfg.world_size}: must be an integer >= 1")
-    _require(cfg.steps >= 1, f"steps={cfg.steps}: must be an integer >= 1")
-    _require(
+        require(name in options, f"{group}.name={name}: unknown; allowed: {'|'.join(options)}")
+    require(cfg.world_size >= 1, f"world_size={cfg.world_size}: must be an integer >= 1")
+    require(cfg.steps >= 1, f"steps={cfg.steps}: must be an integer >= 1")
+    require(
         0 <= cfg.warmup_steps < cfg.steps,
         f"warmup_steps={cfg.warmup_steps}: must be in [0, steps={cfg.steps}); lower warmup_steps",
     )
-    _require(cfg.threads_per_rank >= 0, f"threads_per_rank={cfg.threads_per_rank}: must be >= 0 (0 = auto)")
-    _require(cfg.timeouts.collective_s > 0, "timeouts.collective_s: must be > 0 seconds")
-    _require(cfg.timeouts.rendezvous_s > 0, "timeouts.rendezvous_s: must be > 0 seconds")
-    _require(cfg.wandb.mode in WANDB_MODES, f"wandb.mode={cfg.wandb.mode}: allowed: {'|'.join(WANDB_MODES)}")
+    require(cfg.threads_per_rank >= 0, f"threads_per_rank={cfg.threads_per_rank}: must be >= 0 (0 = auto)")
+    require(cfg.timeouts.collective_s > 0, "timeouts.collective_s: must be > 0 seconds")
+    require(cfg.timeouts.rendezvous_s > 0, "timeouts.rendezvous_s: must be > 0 seconds")
+    require(cfg.wandb.mode in WANDB_MODES, f"wandb.mode={cfg.wandb.mode}: allowed: {'|'.join(WANDB_MODES)}")
 
     data = cfg.data
-    _require(data.batch_size >= 1, f"data.batch_size={data.batch_size}: must be >= 1")
+    require(data.batch_size >= 1, f"data.batch_size={data.batch_size}: must be >= 1")
     if enum_value(data.scaling) == "strong":
-        _require(
+        require(
             data.batch_size % cfg.world_size == 0,
             f"data.batch_size={data.batch_size} does not divide by world_size={cfg.world_size} under "
             f"data.scaling=strong; use a multiple of {cfg.world_size} or data.scaling=weak",
@@ -571,18 +461,9 @@ def validate(cfg: DictConfig, local_world_size: Optional[int] = None, simulated:
     _validate_data(cfg)
     _validate_model(cfg)
     bucket = cfg.sync.get("bucket_mb")
-    _require(bucket is None or bucket >= 0, f"sync.bucket_mb={bucket}: must be >= 0 (0: one bucket per tensor) or null")
-    _require(cfg.sync.accumulate >= 1, f"sync.accumulate={cfg.sync.accumulate}: must be >= 1 (1 = no accumulation)")
-    if cfg.sync.name == "tree":
-        _require(cfg.sync.chunk_kb >= 1, f"sync.chunk_kb={cfg.sync.chunk_kb}: must be >= 1")
-    if cfg.sync.name == "ps":
-        _validate_ps(cfg)
-    if cfg.sync.name == "ddp":
-        _require(cfg.sync.bucket_mb > 0, f"sync.bucket_mb={cfg.sync.bucket_mb}: must be > 0 (DDP's bucket cap)")
-    if cfg.sync.name == "local_sgd":
-        _require(cfg.sync.period >= 1, f"sync.period={cfg.sync.period}: must be >= 1")
-        _require(cfg.sync.sync_steps >= 0, f"sync.sync_steps={cfg.sync.sync_steps}: must be >= 0")
-        _require(cfg.sync.over in ("allreduce", "ring"), f"sync.over={cfg.sync.over}: allowed: allreduce|ring")
+    require(bucket is None or bucket >= 0, f"sync.bucket_mb={bucket}: must be >= 0 (0: one bucket per tensor) or null")
+    require(cfg.sync.accumulate >= 1, f"sync.accumulate={cfg.sync.accumulate}: must be >= 1 (1 = no accumulation)")
+    SYNCHRONIZERS[cfg.sync.name].check(cfg)
 
     _validate_imbalance(cfg)
     _validate_network(cfg)
@@ -592,24 +473,17 @@ def validate(cfg: DictConfig, local_world_size: Optional[int] = None, simulated:
     device = enum_value(cfg.device)
     backend = enum_value(cfg.backend)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    _require(
+    require(
         device != "cuda" or gpus >= 1,
         "device=cuda but no CUDA GPU is visible; use device=cpu or device=auto",
     )
     if backend == "nccl" or (backend == "auto" and resolved_device(cfg) == "cuda"):
-        _require(
+        require(
             resolved_device(cfg) == "cuda" and gpus >= local,
             f"backend=nccl needs one CUDA GPU per local rank ({local} local ranks, {gpus} GPUs visible); "
             "use backend=gloo (or device=cpu), or fewer ranks per machine",
         )
-    if (cfg.sync.name in ("ring", "tree") or cfg.sync.get("over") == "ring") and cfg.world_size > 1:
-        # Gloo has no CUDA send/recv, and NCCL ignores message tags and serialises ungrouped
-        # point-to-point calls, which the pipelined schedules rely on; they are verified on Gloo.
-        _require(
-            resolved_device(cfg) == "cpu" and resolved_backend(cfg) == "gloo",
-            f"sync={cfg.sync.name} runs over Gloo on CPU tensors; use device=cpu (or sync=allreduce for NCCL)",
-        )
-    _require(
+    require(
         enum_value(cfg.precision) == "fp32" or resolved_device(cfg) == "cuda",
         "precision=bf16 (autocast) is for CUDA; use precision=fp32 on CPU",
     )
@@ -618,25 +492,25 @@ def validate(cfg: DictConfig, local_world_size: Optional[int] = None, simulated:
 def _validate_data(cfg: DictConfig) -> None:
     data = cfg.data
     if data.name in ("synthetic", "lm"):
-        _require(data.num_samples >= 1, f"data.num_samples={data.num_samples}: must be >= 1")
-    _require(all(d >= 1 for d in data.shape), f"data.shape={list(data.shape)}: every dimension must be >= 1")
+        require(data.num_samples >= 1, f"data.num_samples={data.num_samples}: must be >= 1")
+    require(all(d >= 1 for d in data.shape), f"data.shape={list(data.shape)}: every dimension must be >= 1")
     if data.name in ("synthetic_images", "image_folder"):
-        _require(data.image_size >= 1, f"data.image_size={data.image_size}: must be >= 1 (pixels per side)")
+        require(data.image_size >= 1, f"data.image_size={data.image_size}: must be >= 1 (pixels per side)")
     if data.name == "tokens":
-        _require(data.dtype in TOKEN_DTYPES, f"data.dtype={data.dtype}: allowed: {'|'.join(TOKEN_DTYPES)}")
-        _require(data.vocab_size >= 2, f"data.vocab_size={data.vocab_size}: the token file's vocabulary, >= 2")
+        require(data.dtype in TOKEN_DTYPES, f"data.dtype={data.dtype}: allowed: {'|'.join(TOKEN_DTYPES)}")
+        require(data.vocab_size >= 2, f"data.vocab_size={data.vocab_size}: the token file's vocabulary, >= 2")
         try:  # the file's size against dtype and seq_len: a stat, not a read
             TokenFile(str(data.path), data.seq_len, data.dtype)
         except ValueError as exc:
             raise ConfigError(f"{exc}; data=tokens reads a flat {data.dtype} token file (nanoGPT's train.bin)") from None
     if data.name in ("image_folder", "tokens"):
-        _require(data.num_workers >= 0, f"data.num_workers={data.num_workers}: must be >= 0 (0: load in the rank)")
-        _require(data.prefetch_factor >= 1, f"data.prefetch_factor={data.prefetch_factor}: must be >= 1")
-        _require(data.worker_start in WORKER_STARTS,
+        require(data.num_workers >= 0, f"data.num_workers={data.num_workers}: must be >= 0 (0: load in the rank)")
+        require(data.prefetch_factor >= 1, f"data.prefetch_factor={data.prefetch_factor}: must be >= 1")
+        require(data.worker_start in WORKER_STARTS,
                  f"data.worker_start={data.worker_start}: allowed: {'|'.join(WORKER_STARTS)} (fork breaks gRPC channels)")  # fmt: skip
-        _require(not data.pin_memory or resolved_device(cfg) == "cuda", "data.pin_memory=true is for CUDA; drop it on CPU")
+        require(not data.pin_memory or resolved_device(cfg) == "cuda", "data.pin_memory=true is for CUDA; drop it on CPU")
     if data.name == "synthetic_images":
-        _require(data.num_classes >= 1, f"data.num_classes={data.num_classes}: must be >= 1")
+        require(data.num_classes >= 1, f"data.num_classes={data.num_classes}: must be >= 1")
 
 
 def _validate_model(cfg: DictConfig) -> None:
@@ -648,27 +522,27 @@ def _validate_model(cfg: DictConfig) -> None:
         spec = spec_for(cfg.data)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    _require(not OmegaConf.is_missing(cfg.model, "target") if cfg.model.name == "custom" else True,
+    require(not OmegaConf.is_missing(cfg.model, "target") if cfg.model.name == "custom" else True,
              "model=custom needs model.target=<module.attr> of an nn.Module class or factory (e.g. torch.nn.Linear)")  # fmt: skip
     kind = model_kind(cfg.model.name)
     if kind.reads is not None:
         readers = [d for d in GROUP_SCHEMAS["data"] if _data_kind(d) == kind.reads]
-        _require(spec.kind == kind.reads,
+        require(spec.kind == kind.reads,
                  f"model={cfg.model.name} cannot read data={cfg.data.name}; allowed: data={'|'.join(readers)}")  # fmt: skip
     if kind.language:
-        _require(cfg.data.seq_len <= cfg.model.get("n_positions", cfg.data.seq_len),
+        require(cfg.data.seq_len <= cfg.model.get("n_positions", cfg.data.seq_len),
                  f"data.seq_len={cfg.data.seq_len} exceeds model.n_positions={cfg.model.get('n_positions')}; "
                  "lower data.seq_len or raise model.n_positions")  # fmt: skip
-        _require(cfg.model.d_model % cfg.model.n_head == 0,
+        require(cfg.model.d_model % cfg.model.n_head == 0,
                  f"model.d_model={cfg.model.d_model} does not divide by model.n_head={cfg.model.n_head}")  # fmt: skip
     if cfg.model.name == "bert":
-        _require(0 < cfg.model.mask_prob < 1, f"model.mask_prob={cfg.model.mask_prob}: must be in (0, 1)")
-        _require(0 <= cfg.model.mask_token < cfg.data.vocab_size,
+        require(0 < cfg.model.mask_prob < 1, f"model.mask_prob={cfg.model.mask_prob}: must be in (0, 1)")
+        require(0 <= cfg.model.mask_token < cfg.data.vocab_size,
                  f"model.mask_token={cfg.model.mask_token} is outside data.vocab_size={cfg.data.vocab_size}")  # fmt: skip
-    _require(cfg.buffers in BUFFER_POLICIES, f"buffers={cfg.buffers}: allowed: {'|'.join(BUFFER_POLICIES)}")
-    _require(not cfg.sync_bn or resolved_device(cfg) == "cuda",
+    require(cfg.buffers in BUFFER_POLICIES, f"buffers={cfg.buffers}: allowed: {'|'.join(BUFFER_POLICIES)}")
+    require(not cfg.sync_bn or resolved_device(cfg) == "cuda",
              "sync_bn=true: torch's SyncBatchNorm runs on CUDA only; use buffers=broadcast|average on CPU")  # fmt: skip
-    _require(cfg.peak_tflops is None or cfg.peak_tflops > 0, f"peak_tflops={cfg.peak_tflops}: must be > 0 or null")
+    require(cfg.peak_tflops is None or cfg.peak_tflops > 0, f"peak_tflops={cfg.peak_tflops}: must be > 0 or null")
     try:
         check_fits(cfg.model, spec)
     except ValueError as exc:
@@ -679,61 +553,38 @@ def _data_kind(name: str) -> str:
     return "lm" if name in ("lm", "tokens") else "classification"
 
 
-def _validate_ps(cfg: DictConfig) -> None:
-    ps = cfg.sync
-    _require(ps.mode in PS_MODES, f"sync.mode={ps.mode}: allowed: {'|'.join(PS_MODES)}")
-    _require(ps.servers >= 1, f"sync.servers={ps.servers}: must be >= 1")
-    _require(ps.staleness >= 0, f"sync.staleness={ps.staleness}: must be >= 0")
-    _require(1 <= ps.chunk_kb <= 4096, f"sync.chunk_kb={ps.chunk_kb}: must be in [1, 4096] (chunks stay under the message limit)")
-    _require(
-        not ps.addresses or len(ps.addresses) == ps.servers,
-        f"sync.addresses has {len(ps.addresses)} entries but sync.servers={ps.servers}; give one host:port per server",
-    )
-    _require(
-        resolved_device(cfg) == "cpu",
-        "sync=ps exchanges host memory: use device=cpu (staging CUDA tensors through the host is not built yet)",
-    )
-    given = {k: ps.get(k) for k in ("tls_cert", "tls_key", "tls_ca")}
-    if any(given.values()):
-        missing = [k for k, v in given.items() if not v and (k == "tls_ca" or not ps.addresses)]
-        _require(not missing, f"sync.{', sync.'.join(missing)}: TLS needs the servers' certificate and key (servers "
-                              "started here) and the authority workers verify them with (tls_ca)")  # fmt: skip
-        absent = [f"sync.{k}={v}" for k, v in given.items() if v and not Path(v).is_file()]
-        _require(not absent, f"{', '.join(absent)}: no such file")
-
-
 def _validate_imbalance(cfg: DictConfig) -> None:
     imb, n = cfg.imbalance, int(cfg.world_size)
     ranks = imb.get("ranks")
     if ranks is not None:
         bad = [r for r in ranks if not 0 <= r < n]
-        _require(not bad, f"imbalance.ranks={list(ranks)}: ranks {bad} do not exist with world_size={n}; use ranks in [0, {n})")
+        require(not bad, f"imbalance.ranks={list(ranks)}: ranks {bad} do not exist with world_size={n}; use ranks in [0, {n})")
     if imb.name == "straggler":
-        _require(imb.slowdown >= 0, f"imbalance.slowdown={imb.slowdown}: must be >= 0 (1.0 = +100 % of compute time)")
-        _require(imb.delay_ms >= 0, f"imbalance.delay_ms={imb.delay_ms}: must be >= 0")
+        require(imb.slowdown >= 0, f"imbalance.slowdown={imb.slowdown}: must be >= 0 (1.0 = +100 % of compute time)")
+        require(imb.delay_ms >= 0, f"imbalance.delay_ms={imb.delay_ms}: must be >= 0")
     if imb.name == "jitter":
         dist = imb.distribution
-        _require(dist in JITTER_DISTRIBUTIONS, f"imbalance.distribution={dist}: allowed: {'|'.join(JITTER_DISTRIBUTIONS)}")
-        _require(imb.mean_ms > 0, f"imbalance.mean_ms={imb.mean_ms}: must be > 0")
+        require(dist in JITTER_DISTRIBUTIONS, f"imbalance.distribution={dist}: allowed: {'|'.join(JITTER_DISTRIBUTIONS)}")
+        require(imb.mean_ms > 0, f"imbalance.mean_ms={imb.mean_ms}: must be > 0")
         if dist == "exponential":
-            _require(
+            require(
                 imb.std_ms is None or imb.std_ms == imb.mean_ms,
                 f"imbalance.std_ms={imb.std_ms}: an exponential delay has std = mean; set imbalance.std_ms=null",
             )
         else:
-            _require(imb.std_ms is not None and imb.std_ms >= 0, f"imbalance.std_ms={imb.std_ms}: {dist} needs a std >= 0")
+            require(imb.std_ms is not None and imb.std_ms >= 0, f"imbalance.std_ms={imb.std_ms}: {dist} needs a std >= 0")
     if imb.name == "heterogeneous":
         speeds = list(imb.speeds)
-        _require(all(0 < s <= 1 for s in speeds), f"imbalance.speeds={speeds}: each speed must be in (0, 1] (1 = full speed)")
+        require(all(0 < s <= 1 for s in speeds), f"imbalance.speeds={speeds}: each speed must be in (0, 1] (1 = full speed)")
     if imb.name == "uneven":
-        _require(imb.skew >= 1, f"imbalance.skew={imb.skew}: must be >= 1 (largest shard / smallest shard)")
+        require(imb.skew >= 1, f"imbalance.skew={imb.skew}: must be >= 1 (largest shard / smallest shard)")
         shares = list(imb.shares)
-        _require(
+        require(
             not shares or (len(shares) == n and all(s > 0 for s in shares)),
             f"imbalance.shares={shares}: give one positive share per rank (world_size={n}) or none",
         )
         total = per_rank_batch(cfg) * n
-        _require(
+        require(
             total >= n,
             f"imbalance=uneven: a global batch of {total} cannot give each of {n} ranks a sample; raise data.batch_size",
         )
@@ -748,19 +599,15 @@ def _validate_network(cfg: DictConfig) -> None:
         parse_rate(cfg.network.bandwidth)
     except ValueError as exc:
         raise ConfigError(f"network.bandwidth={cfg.network.bandwidth}: {exc}") from None
-    _require(cfg.network.latency_ms >= 0, f"network.latency_ms={cfg.network.latency_ms}: must be >= 0")
-    endpoints = int(cfg.world_size) + (int(cfg.sync.servers) if cfg.sync.name == "ps" else 0)
-    _require(
+    require(cfg.network.latency_ms >= 0, f"network.latency_ms={cfg.network.latency_ms}: must be >= 0")
+    endpoints = int(cfg.world_size) + SYNCHRONIZERS[cfg.sync.name].local_servers(cfg)
+    require(
         endpoints <= MAX_ENDPOINTS,
         f"network=emulated: {endpoints} ranks and servers exceed the {MAX_ENDPOINTS} addresses of its /24; use fewer",
     )
-    _require(
+    require(
         resolved_backend(cfg) == "gloo",
         "network=emulated shapes TCP links between hosts: use backend=gloo (device=cpu)",
-    )
-    _require(
-        not (cfg.sync.name == "ps" and cfg.sync.addresses),
-        "network=emulated starts its own parameter servers inside the network; drop sync.addresses",
     )
     try:
         check_available()
@@ -774,49 +621,36 @@ def _validate_fault(cfg: DictConfig) -> None:
         return
     steps = int(cfg.steps)
     if fault.step is not None:
-        _require(0 <= fault.step < steps, f"fault.step={fault.step}: must be in [0, steps={steps}) (null: drawn from the seed)")
+        require(0 <= fault.step < steps, f"fault.step={fault.step}: must be in [0, steps={steps}) (null: drawn from the seed)")
     else:
-        _require(steps >= 2, f"fault={fault.name} with fault.step=null draws a step in [1, steps): needs steps >= 2")
+        require(steps >= 2, f"fault={fault.name} with fault.step=null draws a step in [1, steps): needs steps >= 2")
     if fault.name in ("kill_rank", "link_down", "nan_loss"):
-        _require(0 <= fault.rank < cfg.world_size, f"fault.rank={fault.rank}: must be in [0, world_size={cfg.world_size})")
+        require(0 <= fault.rank < cfg.world_size, f"fault.rank={fault.rank}: must be in [0, world_size={cfg.world_size})")
     if fault.name == "kill_ps":
-        _require(cfg.sync.name == "ps" and not cfg.sync.addresses,
-                 "fault=kill_ps kills a parameter server the launcher started: use sync=ps (without sync.addresses)")  # fmt: skip
-        _require(0 <= fault.shard < cfg.sync.servers, f"fault.shard={fault.shard}: must be in [0, sync.servers={cfg.sync.servers})")
+        servers = SYNCHRONIZERS[cfg.sync.name].local_servers(cfg)
+        require(servers > 0, "fault=kill_ps kills a parameter server the launcher started: use sync=ps (without sync.addresses)")
+        require(0 <= fault.shard < servers, f"fault.shard={fault.shard}: must be in [0, sync.servers={servers})")
     if fault.name == "link_down":
-        _require(cfg.network.name == "emulated", "fault=link_down takes an emulated link down: use network=emulated")
-        _require(fault.duration_s > 0, f"fault.duration_s={fault.duration_s}: must be > 0")
+        require(cfg.network.name == "emulated", "fault=link_down takes an emulated link down: use network=emulated")
+        require(fault.duration_s > 0, f"fault.duration_s={fault.duration_s}: must be > 0")
 
 
 def _validate_checkpoint(cfg: DictConfig) -> None:
     from testbed import checkpoint
 
-    _require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0 (0: no checkpoints)")
-    _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
-    if (cfg.checkpoint.every or cfg.resume) and cfg.sync.name == "ps":
-        _require(cfg.sync.mode == "sync" and not cfg.sync.addresses,
-                 "checkpoint/resume with sync=ps: the servers save their state in step with the workers in sync "
-                 "mode, with servers the launcher starts; use sync.mode=sync without sync.addresses")  # fmt: skip
+    require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0 (0: no checkpoints)")
+    require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
     if not cfg.resume:
         return
     resumed = Path(cfg.resume)
     found = checkpoint.latest(resumed)
-    _require(found is not None, f"resume={cfg.resume}: no complete checkpoint there (run it with checkpoint.every > 0)")
+    require(found is not None, f"resume={cfg.resume}: no complete checkpoint there (run it with checkpoint.every > 0)")
     summary = resumed / "summary.json"
-    _require(summary.exists(), f"resume={cfg.resume}: no summary.json to compare the config with")
+    require(summary.exists(), f"resume={cfg.resume}: no summary.json to compare the config with")
     differ = checkpoint.mismatches(to_plain(cfg), json.loads(summary.read_text())["config"])
-    _require(not differ, f"resume={cfg.resume}: the config differs in {', '.join(differ)}; resume with the same settings")
+    require(not differ, f"resume={cfg.resume}: the config differs in {', '.join(differ)}; resume with the same settings")
     step = checkpoint.checkpoint_step(found)
-    _require(step + 1 < cfg.steps, f"resume={cfg.resume}: its checkpoint is after step {step}; steps={cfg.steps} leaves nothing to run")
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
-def enum_value(value: Any) -> str:
-    return value.value if isinstance(value, enum.Enum) else str(value)
+    require(step + 1 < cfg.steps, f"resume={cfg.resume}: its checkpoint is after step {step}; steps={cfg.steps} leaves nothing to run")
 
 
 def to_plain(cfg: DictConfig) -> dict[str, Any]:

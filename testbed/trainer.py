@@ -19,7 +19,7 @@ from testbed.buffers import BufferSync
 from testbed.data import BatchSource
 from testbed.faults import FaultInjector, NonFiniteLoss
 from testbed.imbalance import Injector
-from testbed.launch.stall import Arrivals
+from testbed.stall import Arrivals
 from testbed.results.step_log import StepLog
 from testbed.sync import Synchronizer
 from testbed.sync.base import SyncReport
@@ -66,7 +66,7 @@ class Trainer:
         self.loss_weight = loss_weight  # != 1 only for uneven shards (testbed.imbalance)
         self.on_record = on_record  # e.g. the W&B mirror, called with each step's record
         self.fault = fault  # an injected failure (testbed.faults)
-        self.arrivals = arrivals  # names the ranks a failed synchronization waited for (testbed.launch.stall)
+        self.arrivals = arrivals  # names the ranks a failed synchronization waited for (testbed.stall)
         self.start_step = start_step  # > 0 when resuming from a checkpoint (testbed.checkpoint)
         self.after_step = after_step  # e.g. the periodic checkpoint, called with each completed step
         self.buffers = buffers  # BatchNorm's statistics, made equal when the replicas agree (testbed.buffers)

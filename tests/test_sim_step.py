@@ -14,7 +14,7 @@ from testbed.models import build_model, gradient_bytes
 from testbed.paths import config_dir
 from testbed.sim.costs import Link, parameter_server, ring
 from testbed.sim.step import exposed_comm, gradient_ready, gradient_tensors, simulate
-from testbed.sync.base import bucket_ends
+from testbed.sync.flat import bucket_ends
 
 MS = 1e-3
 RATE = "1gbit"

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from testbed.collectives.common import Traffic, chunk_bounds, scratch_for
-from testbed.netem.latency import link_delay
+from testbed.latency import link_delay
 
 
 def ring_allreduce_(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from contextlib import ExitStack
@@ -14,16 +13,14 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from testbed import checkpoint, config
-from testbed.faults import PS_PIDS_ENV
 from testbed.launch.existing import in_submitit_job, surrounding_world
 from testbed.launch.rank import rank_main
 from testbed.launch.spawn import RankFailure, spawn_world
-from testbed.launch.stall import read_stall
+from testbed.stall import read_stall
 from testbed.netem import EmulatedNetwork
-from testbed.ps.launch import LocalServers
-from testbed.ps.wire import TOKEN_ENV
 from testbed.results.summary import failed_summary, summarize, write_summary
-from testbed.results.table import format_table, summary_row, sync_label
+from testbed.results.table import format_table, summary_row
+from testbed.sync import SYNCHRONIZERS
 from testbed.world import DEBUG_ENV
 
 log = logging.getLogger("testbed")
@@ -69,7 +66,8 @@ def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path, identity: dict
     ranks; take all of it down again, whatever happens."""
     log.info("spawning %d rank(s): sync=%s model=%s data=%s -> %s", cfg.world_size, cfg.sync.name,
              cfg.model.name, cfg.data.name, job_dir)  # fmt: skip
-    servers = cfg.sync.servers if cfg.sync.name == "ps" and not cfg.sync.addresses else 0
+    spec = SYNCHRONIZERS[cfg.sync.name]
+    servers = spec.local_servers(cfg)
     env: dict[str, str] = dict(DEBUG_ENV) if cfg.debug else {}  # C++ logging reads its level at import
     try:
         with ExitStack() as stack:  # exits in reverse: servers stop before their network goes
@@ -84,12 +82,9 @@ def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path, identity: dict
                          for k in range(servers)] if network else None  # fmt: skip
                 saving = (job_dir / checkpoint.DIR, int(cfg.checkpoint.every)) if cfg.checkpoint.every else None
                 restore = checkpoint.latest(Path(cfg.resume)) if cfg.resume else None
-                ps = stack.enter_context(LocalServers(plain["sync"], plain["optim"], cfg.world_size, job_dir / "logs",
-                                                      hosts, saving, restore))  # fmt: skip
-                plain["sync"]["addresses"] = ps.addresses
-                env[TOKEN_ENV] = ps.token  # inherited by the ranks; kept out of the config
-                env[PS_PIDS_ENV] = json.dumps([proc.pid for proc in ps.procs])  # for fault=kill_ps
-                log.info("parameter servers up: %s", ", ".join(ps.addresses))
+                start = spec.servers.start(plain, cfg.world_size, job_dir / "logs", hosts, saving, restore)
+                env.update(stack.enter_context(start))  # writes the servers' addresses into plain["sync"]
+                log.info("sync=%s servers up: %s", cfg.sync.name, ", ".join(plain["sync"]["addresses"]))
             results = spawn_world(
                 rank_main, (plain, str(job_dir), identity), cfg.world_size, job_dir / "logs",
                 rendezvous_timeout_s=cfg.timeouts.rendezvous_s, echo_rank0=cfg.launcher.echo_rank0,
@@ -109,7 +104,7 @@ def _identity(plain: dict[str, Any], hydra_cfg: Any, multirun: bool) -> dict[str
         "overrides": list(hydra_cfg.overrides.task),
         "name": ",".join(overrides) or "defaults",
         "group": str(hydra_cfg.sweep.dir if multirun else hydra_cfg.run.dir),
-        "job_type": str(sync_label(plain)),
+        "job_type": SYNCHRONIZERS[plain["sync"]["name"]].label(plain["sync"]),
     }
 
 
@@ -124,7 +119,8 @@ def _with_overrides(job_dir: Path, summary: Optional[dict[str, Any]], hydra_cfg:
 
 def _record_failure(job_dir: Path, plain: dict[str, Any], message: str, rank: Optional[int]) -> dict[str, Any]:
     error = failure_cause(message, rank, read_stall(job_dir / "logs"))
-    summary = failed_summary(job_dir, plain, error)
+    spec = SYNCHRONIZERS[plain["sync"]["name"]]
+    summary = failed_summary(job_dir, plain, error, spec.impl.waits_for_peers, spec.label(plain["sync"]))
     write_summary(job_dir, summary)
     where = "" if error["rank"] is None else f"rank {error['rank']}: "
     log.error("run failed at step %s (%s): %s%s (results so far kept in %s)", error["step"], error["kind"], where,
@@ -172,11 +168,9 @@ def _check_joined(cfg: DictConfig, joined: tuple[int, int, int, int], hydra_cfg:
         raise config.ConfigError(
             "network=emulated builds its namespaces around ranks it spawns itself; run without torchrun/Slurm"
         )
-    if cfg.sync.name == "ps" and not cfg.sync.addresses:
-        raise config.ConfigError(
-            "sync=ps inside torchrun/Slurm: start the servers with python -m testbed.ps.server and pass "
-            "sync.addresses=[host:port,...] (and TESTBED_PS_TOKEN on servers and workers)"
-        )
+    spec = SYNCHRONIZERS.get(cfg.sync.name)
+    if spec is not None and spec.local_servers(cfg):
+        raise config.ConfigError(f"sync={cfg.sync.name} inside torchrun/Slurm: {spec.servers.apart}")
     if world_size > 1 and not submitit and not any(o.startswith("hydra.run.dir=") for o in hydra_cfg.overrides.hydra):
         raise config.ConfigError(
             "inside torchrun/Slurm every rank must write to one job directory: pass hydra.run.dir=<shared path>"
@@ -190,6 +184,7 @@ def _config_failure(cfg: DictConfig, job_dir: Path, message: str, multirun: bool
     # In a sweep, one bad point is recorded and the sweep goes on with the next job.
     plain = config.to_plain(cfg)
     error = {"message": f"config error: {message}", "rank": None, "kind": "config", "step": None}
-    summary = summarize(plain, [], status="failed", error=error)
+    spec = SYNCHRONIZERS.get(cfg.sync.name)
+    summary = summarize(plain, [], status="failed", error=error, label=spec.label(plain["sync"]) if spec else None)
     write_summary(job_dir, summary)
     return summary

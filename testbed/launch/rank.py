@@ -29,14 +29,14 @@ from testbed.data import build_data
 from testbed.data.loader import rank_seed
 from testbed.faults import FaultInjector
 from testbed.imbalance import Injector, loss_weight, shard_batches
-from testbed.launch.stall import Arrivals, StallError
+from testbed.stall import Arrivals, StallError
 from testbed.models import build_model, gradient_bytes, objective_batches, workload_facts
 from testbed.netem import enter_rank_namespace
 from testbed.optim import build_optimizer
 from testbed.results.step_log import StepLog, flush_open_logs, metrics_path
 from testbed.results.summary import summarize, write_summary
 from testbed.results.wandb_run import WandbRun
-from testbed.sync import build_synchronizer
+from testbed.sync import spec_of
 from testbed.timing import fill_wait_from_latest
 from testbed.trainer import Trainer
 from testbed.world import World, close_world, init_world
@@ -53,12 +53,12 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
     cfg = OmegaConf.create(plain_cfg)
     _exit_on_sigterm()
     enter_rank_namespace()  # network=emulated: before any socket exists
-    if cfg.sync.name == "allreduce" and cfg.sync.get("nccl_algo"):
-        os.environ["NCCL_ALGO"] = str(cfg.sync.nccl_algo)  # read by NCCL when the communicator is created
+    spec = spec_of(cfg.sync.name)
+    os.environ.update(spec.rank_env(cfg))  # before the process group: NCCL reads its settings there
     world = init_world(config.resolved_device(cfg), config.resolved_backend(cfg), cfg.timeouts.collective_s, cfg.debug)
     _configure_logging(world.rank)
     log.info("rank %d/%d pid %d device %s backend %s", world.rank, world.world_size, os.getpid(), world.device, world.backend)
-    sync = build_synchronizer(cfg.sync)
+    sync = spec.impl(cfg.sync)
     tracker: Optional[WandbRun] = None
     summary: Optional[dict[str, Any]] = None
     arrivals = Arrivals(world.rank, world.world_size, cfg.timeouts.stall_warn_s) if world.world_size > 1 else None
@@ -148,7 +148,8 @@ def _finish(
     if gathered is None:
         return None
     torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, job_dir / "model_final.pt")
-    summary = summarize(plain_cfg, [g[0] for g in gathered], [g[1] for g in gathered], sync.describe())
+    label = spec_of(plain_cfg["sync"]["name"]).label(plain_cfg["sync"])
+    summary = summarize(plain_cfg, [g[0] for g in gathered], [g[1] for g in gathered], sync.describe(), label=label)
     write_summary(job_dir, summary)
     return summary
 

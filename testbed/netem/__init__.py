@@ -1,10 +1,9 @@
 """Emulated networks: every rank and parameter server in its own Linux network namespace, joined by
 a bridge, each link rate-limited in both directions with ``tc tbf``; latency added per message by
-the testbed's own senders (this kernel has no netem). See ``links`` for the topology, ``rank`` for
-what a process does to live in its namespace, ``latency`` for the per-message delay.
+the testbed's own senders (this kernel has no netem; ``testbed.latency``). See ``links`` for the
+topology, ``rank`` for what a process does to live in its namespace.
 """
 
-from testbed.netem.latency import link_delay
 from testbed.netem.links import EmulatedNetwork, NetworkUnavailable, check_available, parse_rate, remove_leftovers
 from testbed.netem.rank import enter_rank_namespace
 
@@ -13,7 +12,6 @@ __all__ = [
     "NetworkUnavailable",
     "check_available",
     "enter_rank_namespace",
-    "link_delay",
     "parse_rate",
     "remove_leftovers",
 ]

@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any
 
-from testbed.netem.latency import set_latency_ms
+from testbed.latency import set_latency_ms
 
 NETNS_ENV = "TESTBED_NETNS"
 STORE_PORT = 29500  # each run has its own network stack, so a fixed port cannot collide

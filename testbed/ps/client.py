@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional, TypeVar
 import grpc
 import torch
 
-from testbed.netem.latency import link_delay
+from testbed.latency import link_delay
 from testbed.ps import parameter_server_pb2 as pb
 from testbed.ps import parameter_server_pb2_grpc as pb_grpc
 from testbed.ps.wire import (
@@ -95,7 +95,7 @@ class PsClient:
 
     def push_shard(self, i: int, grad: torch.Tensor, base_version: int) -> pb.PushReply:
         """Push shard ``i``'s whole gradient (computed on parameters of ``base_version``)."""
-        link_delay()  # one emulated latency per request (testbed.netem.latency)
+        link_delay()  # one emulated latency per request (testbed.latency)
         stream = encoded_chunks(grad, i, self.worker, base_version, self.chunk_bytes, self._view(grad))
         return self._call(i, "Push", lambda: self._push[i](stream, timeout=self.timeout_s, metadata=self.metadata))
 

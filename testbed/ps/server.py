@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from dataclasses import asdict
 from concurrent import futures
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -38,7 +39,8 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from omegaconf import OmegaConf
 
-from testbed.optim import build_optimizer
+from testbed.optim import SgdConfig, build_optimizer
+from testbed.ps.modes import CHUNK_KB, MODES, STALENESS
 from testbed.ps import parameter_server_pb2 as pb
 from testbed.ps import parameter_server_pb2_grpc as pb_grpc
 from testbed.ps.wire import (
@@ -58,7 +60,6 @@ from testbed.ps.wire import (
 )  # fmt: skip
 
 log = logging.getLogger("testbed.ps.server")
-MODES = ("sync", "async", "ssp")
 
 
 class Refused(Exception):
@@ -491,13 +492,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--shard", type=int, required=True, help="this server's shard index")
     parser.add_argument("--workers", type=int, required=True, help="number of workers that will push")
     parser.add_argument("--mode", choices=MODES, default="sync")
-    parser.add_argument("--staleness", type=int, default=2, help="ssp bound s")
-    parser.add_argument("--optim", default='{"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0, "nesterov": false}',
-                        help="the trainer's optim config as JSON")  # fmt: skip
+    parser.add_argument("--staleness", type=int, default=STALENESS, help="ssp bound s")
+    parser.add_argument("--optim", default=json.dumps(asdict(SgdConfig())), help="the trainer's optim config as JSON")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless set)")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     parser.add_argument("--port-file", default="", help="write the bound port here once serving")
-    parser.add_argument("--chunk-kb", type=int, default=1024, help="pull chunk size")
+    parser.add_argument("--chunk-kb", type=int, default=CHUNK_KB, help="pull chunk size")
     parser.add_argument("--tls-cert", default="", help="serve TLS with this PEM certificate (and --tls-key)")
     parser.add_argument("--tls-key", default="", help="the certificate's PEM private key")
     parser.add_argument("--checkpoint-dir", default="", help="sync mode: save the state here every --checkpoint-every updates")

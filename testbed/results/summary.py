@@ -16,7 +16,6 @@ from omegaconf import OmegaConf
 from testbed import config
 from testbed.results.step_log import metrics_path, read_step_log
 from testbed.results.workload import workload_throughput
-from testbed.sync import REGISTRY
 from testbed.timing import PHASES, compute_time, fill_wait, percentile
 
 
@@ -82,8 +81,10 @@ def summarize(
     sync_facts: Optional[dict[str, Any]] = None,
     status: str = "ok",
     error: Optional[dict[str, Any]] = None,
+    label: Optional[str] = None,
 ) -> dict[str, Any]:
-    """Summary statistics over steady-state steps (warm-up excluded) of every rank."""
+    """Summary statistics over steady-state steps (warm-up excluded) of every rank; ``label`` names
+    the synchronizer in tables and dashboards (its spec's label; default: its name)."""
     warmup = int(cfg["warmup_steps"])
     world_size = int(cfg["world_size"])
     common = set.intersection(*(set(r["step"] for r in recs) for recs in records_by_rank)) if records_by_rank else set()
@@ -106,6 +107,7 @@ def summarize(
         "status": status,
         "error": error,
         "sync": cfg["sync"]["name"],
+        "sync_label": label or cfg["sync"]["name"],
         "world_size": world_size,
         "steps": len(common),
         "steps_configured": int(cfg["steps"]),
@@ -154,15 +156,17 @@ def summarize(
     return summary
 
 
-def failed_summary(job_dir: Path, cfg: dict[str, Any], error: dict[str, Any]) -> dict[str, Any]:
+def failed_summary(
+    job_dir: Path, cfg: dict[str, Any], error: dict[str, Any], waits_for_peers: bool, label: Optional[str] = None
+) -> dict[str, Any]:
     """Summary of a run that did not finish, from whatever step records its ranks wrote; ``error``
-    gains ``step``, the step in progress when it failed (the steps every rank completed)."""
+    gains ``step``, the step in progress when it failed (the steps every rank completed).
+    ``waits_for_peers``: the synchronizer's (testbed.timing.fill_wait)."""
     records = [read_step_log(metrics_path(job_dir, r)) for r in range(int(cfg["world_size"]))]
     records = [recs for recs in records if recs]
     if records:
-        cls = REGISTRY.get(cfg["sync"]["name"])
-        fill_wait(records, waits_for_peers=bool(cls and cls.waits_for_peers))
-    summary = summarize(cfg, records, status="failed", error=error)
+        fill_wait(records, waits_for_peers=waits_for_peers)
+    summary = summarize(cfg, records, status="failed", error=error, label=label)
     error["step"] = summary["steps"]
     return summary
 

@@ -23,18 +23,14 @@ def _ms(summary: dict[str, Any], phase: str) -> Optional[float]:
     return None if not spread or spread.get("median") is None else 1e3 * spread["median"]
 
 
-def sync_label(cfg: dict[str, Any]) -> Any:
-    """The synchronizer as rows and dashboards name it: PS variants carry their mode and shard count."""
-    sync = cfg.get("sync") or {}
-    if sync.get("name") != "ps":
-        return sync.get("name")
-    servers = sync.get("servers", 1)
-    return f"ps-{sync.get('mode', 'sync')}" + (f" k={servers}" if servers != 1 else "")
+def sync_label(summary: dict[str, Any]) -> Any:
+    """The synchronizer as rows and dashboards name it (its spec's label, e.g. ps-ssp k=4)."""
+    return summary.get("sync_label") or summary.get("sync")
 
 
 def summary_row(summary: dict[str, Any]) -> dict[str, Any]:
     return {
-        "sync": sync_label(summary.get("config") or {}) or summary.get("sync"),
+        "sync": sync_label(summary),
         "world_size": summary.get("world_size"),
         "status": summary.get("status"),
         "throughput": summary.get("throughput"),
@@ -69,7 +65,7 @@ def comparison_rows(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if s.get("world_size") == 1 and s.get("status") == "ok" and s.get("throughput")
     }
     rows = []
-    for s in sorted(summaries, key=lambda s: (str(sync_label(s.get("config") or {})), s.get("world_size") or 0)):
+    for s in sorted(summaries, key=lambda s: (str(sync_label(s)), s.get("world_size") or 0)):
         row = summary_row(s)
         base = single.get(_baseline_key(s))
         if base and s.get("throughput"):

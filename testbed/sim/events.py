@@ -24,8 +24,8 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from testbed.imbalance import Injector
+from testbed.ps.modes import MODES, staleness_bound
 
-MODES = ("sync", "ssp", "async")
 
 # --- compute times ------------------------------------------------------------------------------
 
@@ -278,7 +278,7 @@ def simulate_ps(
     steps, n = compute.shape
     start, pushed, released, end = (np.zeros((steps, n)) for _ in range(4))
     # A sync pull waits for the round, that is the slowest clock reaching the puller's: ssp with s = 0.
-    bound = {"sync": 0, "ssp": staleness, "async": None}[mode]
+    bound = staleness_bound(mode, staleness)
 
     events: list[tuple[float, int, int, int, int]] = []  # (time, seq, kind, worker or link, link version)
     seq = 0

@@ -20,7 +20,6 @@ run, so ``summary.json`` has the same fields (marked ``simulated``).
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -38,9 +37,10 @@ from testbed.netem import parse_rate
 from testbed.paths import config_dir
 from testbed.results.summary import summarize
 from testbed.sim import calibrate
-from testbed.sim.costs import Cost, Link, parameter_server, pipelined_tree, ring, two_tree_reduce_broadcast
+from testbed.sim.costs import Link
 from testbed.sim.events import compute_times, simulate_ps
-from testbed.sync.base import bucket_ends
+from testbed.sync import spec_of
+from testbed.sync.flat import bucket_ends
 
 
 @dataclass(frozen=True)
@@ -120,34 +120,6 @@ def gradient_ready(cfg: Any) -> Optional[list[float]]:
             for p in module.parameters(recurse=False):
                 ready[id(p)] = max(ready.get(id(p), 0.0), done_after[first_use[name]] / total)
     return [ready.get(id(p), 1.0) for p in reversed(list(model.parameters())) if p.requires_grad]
-
-
-@dataclass(frozen=True)
-class Collective:
-    """A synchronizer's cost per message of ``s`` bytes, and the calibration series it reads."""
-
-    impl: str
-    cost: Callable[[float], Cost]
-
-
-def collective(cfg: Any) -> Optional[Collective]:
-    n, sync = int(cfg.world_size), cfg.sync
-    name = sync.name
-    if name == "none":
-        return None
-    if name in ("allreduce", "ddp") or (name == "local_sgd" and sync.over == "allreduce"):
-        return Collective("native", lambda s: ring(n, s))  # Gloo's all-reduce of large buffers is a ring
-    if name in ("ring", "local_sgd"):
-        return Collective("ring", lambda s: ring(n, s))
-    if name == "tree":
-        chunk = int(sync.chunk_kb) * 1024
-        if not sync.get("double", True):
-            return Collective("tree", lambda s: pipelined_tree(n, s, max(1, math.ceil(s / chunk))))
-        return Collective("tree", lambda s: two_tree_reduce_broadcast(n, s, chunk))
-    if name == "ps":
-        k = int(sync.servers)
-        return Collective(f"ps_k{k}", lambda s: parameter_server(n, s, servers=k))
-    raise config.ConfigError(f"sync={name}: the simulator has no model for it")
 
 
 def link_for(cfg: Any, impl: str) -> tuple[Link, dict[str, Any]]:
@@ -237,34 +209,35 @@ def predict(cfg: Any) -> Prediction:
 
     tensors = gradient_tensors(cfg)
     gradient_bytes = sum(tensors)
-    coll = collective(cfg) if n > 1 or sync.name == "ps" else None
+    spec = spec_of(sync.name)
+    model = spec.sim if spec.sim is not None and (n > 1 or spec.communicates_alone) else None
     facts: dict[str, Any] = {"gradient_bytes": gradient_bytes, "compute": asdict(compute), "slowdown": slowdown}
-    meet, comm_at = np.full(steps, coll is not None), np.zeros(steps)
-    if coll is not None:
-        link, facts["link"] = link_for(cfg, coll.impl)
-        facts["impl"] = coll.impl
+    if model is None:  # nobody to talk to: every rank keeps its own pace
+        wait, comm = np.zeros_like(work), np.zeros_like(work)
+        return Prediction(_records(cfg, sizes, per_sample, optimizer_s, accumulate, delays, wait, comm), facts)
+    link, facts["link"] = link_for(cfg, model.series(cfg))
+    facts["impl"] = model.series(cfg)
+    cost = model.cost(cfg)
 
-        def cost_s(nbytes: float) -> float:
-            return coll.cost(nbytes).time(link)
+    def cost_s(nbytes: float) -> float:
+        return cost(nbytes).time(link)
 
-        if sync.name == "local_sgd":  # parameters are averaged every `period` steps
-            meet = np.array([t < int(sync.sync_steps) or (t + 1) % int(sync.period) == 0 for t in range(steps)])
-            comm_at = np.where(meet, cost_s(gradient_bytes), 0.0)
-        elif sync.name != "ps":
-            cap = sync.get("bucket_mb")
-            cap_bytes = None if cap is None else float(cap) * 2**20
-            ends = bucket_ends(tensors, cap_bytes)
-            buckets = [sum(tensors[a:b]) for a, b in zip([0, *ends], ends)]
-            overlap = sync.name == "ddp" or bool(sync.get("overlap", False))  # DDP always overlaps
-            backward = per_sample[2] * max(sizes)  # the boundary micro-step's backward
-            shares = gradient_ready(cfg) if overlap else None
-            ready = [max(shares[a:b]) for a, b in zip([0, *ends], ends)] if shares else None
-            facts.update(buckets=len(buckets), overlap=overlap, ready_from="flops" if ready else "bytes")
-            comm_at = np.full(steps, exposed_comm(buckets, cost_s, backward, overlap, ready))
-    if sync.name == "ps":
+    if model.schedule == "clocks":
         wait, comm = _parameter_server(cfg, work, gradient_bytes, link)
-    else:
-        wait, comm = _barrier(work, meet, comm_at)
+    elif model.schedule == "average":  # the whole model, at the steps the ranks meet
+        meet = np.array([model.meets(cfg, t) for t in range(steps)])
+        wait, comm = _barrier(work, meet, np.where(meet, cost_s(gradient_bytes), 0.0))
+    else:  # buckets, every step
+        cap = sync.get("bucket_mb")
+        cap_bytes = None if cap is None else float(cap) * 2**20
+        ends = bucket_ends(tensors, cap_bytes)
+        buckets = [sum(tensors[a:b]) for a, b in zip([0, *ends], ends)]
+        overlap = model.overlap(cfg)
+        backward = per_sample[2] * max(sizes)  # the boundary micro-step's backward
+        shares = gradient_ready(cfg) if overlap else None
+        ready = [max(shares[a:b]) for a, b in zip([0, *ends], ends)] if shares else None
+        facts.update(buckets=len(buckets), overlap=overlap, ready_from="flops" if ready else "bytes")
+        wait, comm = _barrier(work, np.full(steps, True), np.full(steps, exposed_comm(buckets, cost_s, backward, overlap, ready)))
     return Prediction(_records(cfg, sizes, per_sample, optimizer_s, accumulate, delays, wait, comm), facts)
 
 
@@ -308,7 +281,7 @@ def simulate(cfg: Any) -> dict[str, Any]:
     plain = config.to_plain(cfg)
     config.validate(OmegaConf.create({**plain, "network": {"name": "loopback"}}), local_world_size=1, simulated=True)
     prediction = predict(cfg)
-    summary = summarize(plain, prediction.records)
+    summary = summarize(plain, prediction.records, label=spec_of(cfg.sync.name).label(plain["sync"]))
     summary.update(simulated=True, final_loss=None, loss_first=None, gradient_bytes=prediction.facts["gradient_bytes"],
                    sync_facts=prediction.facts)  # fmt: skip
     return summary

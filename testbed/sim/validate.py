@@ -5,7 +5,7 @@ Each run is predicted twice from its own config and the link fits of a calibrati
   data and optimizer medians). This validates what extrapolation relies on: the communication,
   overlap, imbalance and synchronization model, given the compute.
 - ``predicted_single``: with the compute of a single-worker run of the same setting in the sweeps
-  (preferably one that does not communicate: allreduce, ring or none at world_size 1) slowed by
+  (preferably one that does not communicate, as every all-reduce at world_size 1) slowed by
   ranks sharing ``cores`` cores. This adds the machine's contention, which a cluster (one machine per
   worker) does not have.
 Runs that do not communicate (one worker, no parameter server) are listed but not scored.
@@ -23,8 +23,8 @@ from omegaconf import OmegaConf
 from testbed import config
 from testbed.results.summary import load_summaries
 from testbed.sim.step import simulate
+from testbed.sync import SYNCHRONIZERS
 
-NO_COMM = ("allreduce", "ring", "none")
 VARYING = ("world_size=", "seed=")
 
 
@@ -37,11 +37,16 @@ def _single_worker(summary: dict[str, Any], singles: list[dict[str, Any]]) -> Op
     overrides = summary.get("overrides") or []
     setting, own = _setting(overrides, True), _setting(overrides, False)
     candidates = [s for s in singles if _setting(s.get("overrides") or [], True) == setting]
-    quiet = [s for s in candidates if s["config"]["sync"]["name"] in NO_COMM]
+    quiet = [s for s in candidates if not _communicates(s)]
     if quiet:
         return quiet[0]
     same = [s for s in candidates if _setting(s.get("overrides") or [], False) == own]
     return same[0] if same else None
+
+
+def _communicates(summary: dict[str, Any]) -> bool:
+    spec = SYNCHRONIZERS.get(summary["config"]["sync"]["name"])
+    return spec is not None and spec.sim is not None and (summary["world_size"] > 1 or spec.communicates_alone)
 
 
 def _predict(summary: dict[str, Any], calibration: str, compute_from: str, cores: Optional[int]) -> float:
@@ -61,7 +66,7 @@ def validate(roots: list[Path], calibration: str, cores: Optional[int]) -> list[
     for summary in summaries:
         overrides = summary.get("overrides") or []
         single = _single_worker(summary, singles)
-        communicates = summary["world_size"] > 1 or summary["config"]["sync"]["name"] == "ps"
+        communicates = _communicates(summary)
         rows.append({
             "job": summary["job_dir"],
             "option": next((o.split("=", 1)[1] for o in overrides if o.startswith("sync=")), summary["sync"]),

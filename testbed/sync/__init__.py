@@ -1,30 +1,37 @@
-"""Synchronizers by name: the name is the Hydra option (``sync=ring``)."""
+"""Synchronizers by name: the name is the Hydra option (``sync=ring``); one module each.
+
+Every module of this package with a ``SPEC`` (testbed.sync.spec) is a synchronizer: adding one
+means adding its module, its YAML under ``experiments/sync/`` and its tests, nothing else.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import importlib
+import pkgutil
+from typing import Any
 
-from testbed.sync.base import FlatGradSynchronizer, Synchronizer, SyncReport
+from testbed.checks import ConfigError
+from testbed.sync.base import Synchronizer, SyncReport
+from testbed.sync.spec import SyncSpec
 
-REGISTRY: dict[str, type[Synchronizer]] = {}
+
+def _discover() -> dict[str, SyncSpec]:
+    modules = (importlib.import_module(f"{__name__}.{info.name}") for info in pkgutil.iter_modules(__path__))
+    specs = [module.SPEC for module in modules if isinstance(getattr(module, "SPEC", None), SyncSpec)]
+    return {spec.name: spec for spec in sorted(specs, key=lambda spec: spec.name)}
 
 
-def register(name: str) -> Callable[[type[Synchronizer]], type[Synchronizer]]:
-    def add(cls: type[Synchronizer]) -> type[Synchronizer]:
-        cls.name = name
-        REGISTRY[name] = cls
-        return cls
+SYNCHRONIZERS: dict[str, SyncSpec] = _discover()
 
-    return add
+
+def spec_of(name: str) -> SyncSpec:
+    if name not in SYNCHRONIZERS:
+        raise ConfigError(f"sync={name}: unknown; allowed: {'|'.join(SYNCHRONIZERS)}")
+    return SYNCHRONIZERS[name]
 
 
 def build_synchronizer(cfg: Any) -> Synchronizer:
-    if cfg.name not in REGISTRY:
-        raise ValueError(f"sync={cfg.name}: unknown; allowed: {'|'.join(sorted(REGISTRY))}")
-    return REGISTRY[cfg.name](cfg)
+    return spec_of(cfg.name).impl(cfg)
 
 
-# Importing the implementations registers them.
-from testbed.sync import allreduce, ddp, local_sgd, none, ps, ring, tree  # noqa: E402,F401
-
-__all__ = ["REGISTRY", "FlatGradSynchronizer", "SyncReport", "Synchronizer", "build_synchronizer", "register"]
+__all__ = ["SYNCHRONIZERS", "SyncReport", "SyncSpec", "Synchronizer", "build_synchronizer", "spec_of"]

@@ -2,17 +2,31 @@
 
 from __future__ import annotations
 
+import enum
 import os
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from testbed.sync import register
-from testbed.sync.base import FlatGradSynchronizer
+from testbed.sim.costs import ring
+from testbed.sync.flat import FlatGradSynchronizer
+from testbed.sync.spec import BucketedSyncConfig, SimModel, SyncSpec
 
 
-@register("allreduce")
+class NcclAlgo(enum.Enum):
+    Ring = "Ring"
+    Tree = "Tree"
+
+
+@dataclass
+class AllReduceSyncConfig(BucketedSyncConfig):
+    name: str = "allreduce"
+    # Forces NCCL's algorithm (exported as NCCL_ALGO before the communicator exists); ignored by Gloo.
+    nccl_algo: Optional[NcclAlgo] = None
+
+
 class NativeAllReduce(FlatGradSynchronizer):
     def allreduce_(self, flat: torch.Tensor, scratch: Optional[torch.Tensor]) -> tuple[int, int]:
         n = self.world.world_size
@@ -31,3 +45,12 @@ class NativeAllReduce(FlatGradSynchronizer):
             facts["nccl_algo"] = os.environ.get("NCCL_ALGO", "auto")
             facts["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version()))
         return facts
+
+
+# Gloo's all-reduce of large buffers is a ring; the calibration fits the backend's own as "native".
+NATIVE = SimModel(series=lambda cfg: "native", cost=lambda cfg: lambda s: ring(int(cfg.world_size), s))
+
+SPEC = SyncSpec(
+    name="allreduce", schema=AllReduceSyncConfig, impl=NativeAllReduce, sim=NATIVE,
+    rank_env=lambda cfg: {"NCCL_ALGO": str(cfg.sync.nccl_algo)} if cfg.sync.get("nccl_algo") else {},
+)  # fmt: skip

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import itertools
-import time
 from abc import ABC, abstractmethod
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, ClassVar, ContextManager, Iterator, Optional
+from typing import Any, Callable, ClassVar, ContextManager, Iterator, Optional
 
 import torch
 from torch import nn
@@ -42,7 +39,6 @@ class Synchronizer(ABC):
     holds updated parameters.
     """
 
-    name: ClassVar[str]
     # True when the call blocks until every rank has arrived, so that t_wait (time spent waiting for
     # slower ranks) is derived from arrival times as in testbed.timing; False when it never waits
     # or reports its own t_wait.
@@ -80,150 +76,46 @@ class Synchronizer(ABC):
         """Release buffers, threads and connections."""
 
 
-FIRST_BUCKET_BYTES = 2**20
+class GradReadiness:
+    """Calls ``on_ready(group)`` during a boundary backward as soon as every gradient of ``group``
+    (a bucket, a shard) is complete: the trigger of overlapped communication.
 
-
-def bucket_ends(sizes: list[int], cap_bytes: Optional[float], first: bool = True) -> list[int]:
-    """Where buckets end (one past their last tensor) over tensors of ``sizes`` bytes, in the order
-    backward produces them: a bucket closes once it holds ``cap_bytes`` (None: one bucket for all).
-    As in DDP, the first bucket is small (1 MB) so that communication starts early; ``first`` says
-    whether these tensors open the first bucket. The simulator plans buckets with the same rule."""
-    ends, filled = [], 0
-    for i, size in enumerate(sizes):
-        filled += size
-        limit = cap_bytes if (ends or not first or cap_bytes is None) else min(cap_bytes, FIRST_BUCKET_BYTES)
-        if limit is not None and filled >= limit:
-            ends.append(i + 1)
-            filled = 0
-    if not ends or ends[-1] != len(sizes):
-        ends.append(len(sizes))
-    return ends
-
-
-@dataclass
-class Bucket:
-    """A contiguous slice of a flat gradient buffer, all-reduced as one collective."""
-
-    view: torch.Tensor
-    params: list[nn.Parameter]
-
-
-class FlatGradSynchronizer(Synchronizer):
-    """Averages gradients through preallocated flat buffers (one per dtype), bucket by bucket.
-
-    Each ``p.grad`` is a view into a buffer, so backward accumulates straight into it and every
-    collective runs on a contiguous slice with no packing copy (DDP's gradient_as_bucket_view).
-    Parameters are laid out in reverse registration order, roughly the order backward produces
-    their gradients, and cut into buckets of ``sync.bucket_mb`` (null: one bucket per buffer; 0:
-    one per tensor). With ``sync.overlap`` a bucket's collective starts on a communication thread
-    as soon as backward has produced all its gradients, in bucket order on every rank, and the step
-    waits only for what is still in flight; without it the buckets run one by one after backward.
+    ``groups_of(p)`` lists the groups parameter ``p`` belongs to; ``remaining[g]`` is how many of
+    group g's gradients backward has still to produce. Hooks fire only inside ``armed()``, so
+    accumulation micro-steps and the rest of the step cost one flag test per gradient.
     """
 
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> None:
-        super().setup(model, optimizer, world)
-        params = [p for p in model.parameters() if p.requires_grad]
-        cap = self.cfg.get("bucket_mb")
-        cap_bytes = None if cap is None else float(cap) * 2**20
-        self.buffers: list[torch.Tensor] = []
-        self.buckets: list[Bucket] = []
-        for dtype in sorted({p.dtype for p in params}, key=str):
-            group = [p for p in reversed(params) if p.dtype == dtype]
-            flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=world.device)
-            offset = 0
-            for p in group:
-                view = flat[offset : offset + p.numel()].view_as(p)
-                if p.grad is not None:
-                    view.copy_(p.grad)
-                p.grad = view
-                offset += p.numel()
-            offsets = list(itertools.accumulate((p.numel() for p in group), initial=0))
-            start = 0
-            for end in bucket_ends([p.numel() * flat.element_size() for p in group], cap_bytes, first=not self.buckets):
-                self.buckets.append(Bucket(flat[offsets[start] : offsets[end]], group[start:end]))
-                start = end
-            self.buffers.append(flat)
-        self.scratch = [self.make_scratch(b.view) for b in self.buckets]
-        self.overlap = bool(self.cfg.get("overlap", False)) and world.world_size > 1
-        if self.overlap:
-            self._comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comm")
-            self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
-            self._armed = False
-            for p in params:
-                p.register_post_accumulate_grad_hook(self._grad_ready)
-
-    # --- overlap: launch each bucket from backward's hooks -----------------------------------
+    def __init__(
+        self, params: list[nn.Parameter], groups_of: Callable[[nn.Parameter], list[int]], groups: int,
+        on_ready: Callable[[int], None],
+    ) -> None:  # fmt: skip
+        self._groups_of = {id(p): groups_of(p) for p in params}
+        self._needed = [0] * groups
+        for members in self._groups_of.values():
+            for g in members:
+                self._needed[g] += 1
+        self.remaining = list(self._needed)
+        self._on_ready = on_ready
+        self._armed = False
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
 
     @contextmanager
-    def _boundary_backward(self) -> Iterator[None]:
-        self._remaining = [len(b.params) for b in self.buckets]
-        self._launched: list[Future] = []
+    def armed(self) -> Iterator[None]:
+        self.remaining = list(self._needed)
         self._armed = True
         try:
             yield
         finally:
             self._armed = False
 
-    def micro_step(self, is_boundary: bool) -> ContextManager[None]:
-        return self._boundary_backward() if self.overlap and is_boundary else nullcontext()
-
     def _grad_ready(self, p: torch.Tensor) -> None:
         if not self._armed:
             return
-        self._remaining[self._bucket_of[id(p)]] -= 1
-        # Launch in bucket order only, so that every rank issues the same collectives in the same order.
-        while len(self._launched) < len(self.buckets) and self._remaining[len(self._launched)] == 0:
-            self._launched.append(self._comm.submit(self._run_bucket, len(self._launched)))
-
-    # --- the step --------------------------------------------------------------------------------
-
-    def _run_bucket(self, index: int) -> tuple[int, int, float]:
-        start = time.perf_counter()
-        sent, recv = self.allreduce_(self.buckets[index].view, self.scratch[index])
-        return sent, recv, time.perf_counter() - start
-
-    def after_backward(self, step: int, is_boundary: bool = True) -> SyncReport:
-        if not is_boundary:  # accumulate locally; communicate once per window
-            return SyncReport()
-        if self.world.world_size == 1:
-            return SyncReport(t_comm=0.0)
-        if self.overlap:
-            for index in range(len(self._launched), len(self.buckets)):  # parameters backward did not reach
-                self._launched.append(self._comm.submit(self._run_bucket, index))
-            results = [future.result() for future in self._launched]
-        else:
-            results = [self._run_bucket(index) for index in range(len(self.buckets))]
-        for flat in self.buffers:
-            flat.div_(self.world.world_size)
-        # One communication thread runs the buckets one at a time: busy time is the sum.
-        return SyncReport(
-            bytes_sent=sum(r[0] for r in results), bytes_recv=sum(r[1] for r in results), t_comm=sum(r[2] for r in results)
-        )
-
-    def make_scratch(self, bucket: torch.Tensor) -> Optional[torch.Tensor]:
-        """Working memory the algorithm reuses every step for ``bucket`` (allocated once, at setup)."""
-        return None
-
-    @abstractmethod
-    def allreduce_(self, flat: torch.Tensor, scratch: Optional[torch.Tensor]) -> tuple[int, int]:
-        """Sum ``flat`` across ranks in place; return (bytes sent, bytes received) by this rank."""
-
-    def zero_grad(self) -> None:
-        # One memset per flat buffer; the grads stay views into it.
-        for flat in self.buffers:
-            flat.zero_()
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "buffer_bytes": sum(b.numel() * b.element_size() for b in self.buffers),
-            "buckets": len(self.buckets),
-            "bucket_mb": self.cfg.get("bucket_mb"),
-            "overlap": self.overlap,
-        }
-
-    def close(self) -> None:
-        if self.overlap:
-            self._comm.shutdown(wait=True)
+        for g in self._groups_of[id(p)]:
+            self.remaining[g] -= 1
+            if self.remaining[g] == 0:
+                self._on_ready(g)
 
 
 def flat_views(model: nn.Module, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,19 +9,27 @@ is only the end of the step, and ``t_wait`` is 0 (DDP does not expose what it wa
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any, ContextManager
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from testbed.checks import require
 from testbed.models import gradient_bytes
-from testbed.sync import register
+from testbed.sync.allreduce import NATIVE
 from testbed.sync.base import Synchronizer, SyncReport
+from testbed.sync.spec import SimModel, SyncBase, SyncSpec
 from testbed.world import World
 
 
-@register("ddp")
+@dataclass
+class DdpSyncConfig(SyncBase):
+    name: str = "ddp"
+    bucket_mb: float = 25.0  # DistributedDataParallel's bucket_cap_mb
+
+
 class DdpSync(Synchronizer):
     waits_for_peers = False
 
@@ -52,3 +60,10 @@ class DdpSync(Synchronizer):
 
     def describe(self) -> dict[str, Any]:
         return {"bucket_mb": float(self.cfg.bucket_mb), "backend": self.world.backend}
+
+
+SPEC = SyncSpec(
+    name="ddp", schema=DdpSyncConfig, impl=DdpSync,
+    sim=SimModel(series=NATIVE.series, cost=NATIVE.cost, overlap=lambda cfg: True),  # DDP always overlaps
+    check=lambda cfg: require(cfg.sync.bucket_mb > 0, f"sync.bucket_mb={cfg.sync.bucket_mb}: must be > 0 (DDP's bucket cap)"),
+)  # fmt: skip

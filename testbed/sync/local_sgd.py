@@ -7,19 +7,38 @@ With ``sync_steps = K > 0`` it is post-local SGD (Lin et al. 2020): gradients ar
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from testbed.collectives import ring_allreduce_
-from testbed.sync import register
+from testbed.checks import require
+from testbed.collectives.ring import ring_allreduce_
+from testbed.sync.allreduce import NATIVE
 from testbed.sync.base import Synchronizer, SyncReport, flat_views
+from testbed.sync.ring import RING
+from testbed.sync.spec import SimModel, SyncBase, SyncSpec, require_gloo_cpu
 from testbed.world import World
 
+AVERAGE_OVER = ("allreduce", "ring")
 
-@register("local_sgd")
+
+@dataclass
+class LocalSgdSyncConfig(SyncBase):
+    name: str = "local_sgd"
+    period: int = 8  # H: parameters are averaged every H optimizer steps
+    sync_steps: int = 0  # post-local SGD: fully synchronous (gradient all-reduce) for the first K steps
+    over: str = "allreduce"  # the averaging collective: allreduce (the backend's) | ring
+
+
+def averages_at(cfg: Any, step: int) -> bool:
+    """Whether ranks communicate (and meet) at ``step``: every warm-up step, then every period."""
+    sync = cfg.sync
+    return step < int(sync.sync_steps) or (step - int(sync.sync_steps) + 1) % int(sync.period) == 0
+
+
 class LocalSgd(Synchronizer):
     steps_optimizer = True  # it steps the worker's own optimizer, then maybe averages
 
@@ -59,3 +78,23 @@ class LocalSgd(Synchronizer):
 
     def describe(self) -> dict[str, Any]:
         return {"period": int(self.cfg.period), "sync_steps": int(self.cfg.sync_steps), "over": self.cfg.over}
+
+
+def _check(cfg: Any) -> None:
+    sync = cfg.sync
+    require(sync.period >= 1, f"sync.period={sync.period}: must be >= 1")
+    require(sync.sync_steps >= 0, f"sync.sync_steps={sync.sync_steps}: must be >= 0")
+    require(sync.over in AVERAGE_OVER, f"sync.over={sync.over}: allowed: {'|'.join(AVERAGE_OVER)}")
+    if sync.over == "ring":
+        require_gloo_cpu(cfg, "sync=local_sgd sync.over=ring")
+
+
+def _over(cfg: Any) -> SimModel:
+    return RING if cfg.sync.over == "ring" else NATIVE
+
+
+SPEC = SyncSpec(
+    name="local_sgd", schema=LocalSgdSyncConfig, impl=LocalSgd, check=_check,
+    sim=SimModel(series=lambda cfg: _over(cfg).series(cfg), cost=lambda cfg: _over(cfg).cost(cfg), schedule="average",
+                 meets=averages_at),
+)  # fmt: skip

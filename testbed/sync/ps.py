@@ -11,28 +11,55 @@ and apply them exactly as without overlap.
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
-from typing import Any, ContextManager, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from testbed.collectives import chunk_bounds
-from testbed.ps.client import PsClient, describe_stats
-from testbed.ps.wire import tls_of, token_from_env
-from testbed.sync import register
-from testbed.sync.base import Synchronizer, SyncReport, flat_views
+from testbed.checks import require, resolved_device
+from testbed.collectives.common import chunk_bounds
+from testbed.faults import PS_PIDS_ENV
+from testbed.ps.modes import CHUNK_KB, MAX_CHUNK_KB, MODES, STALENESS
+from testbed.sim.costs import Cost, parameter_server
+from testbed.sync.base import GradReadiness, Synchronizer, SyncReport, flat_views
+from testbed.sync.spec import Servers, SimModel, SyncBase, SyncSpec
 from testbed.world import World
 
 
-@register("ps")
+@dataclass
+class PsSyncConfig(SyncBase):
+    name: str = "ps"
+    mode: str = "sync"  # sync (BSP) | async (ASP) | ssp (bounded staleness)
+    staleness: int = STALENESS  # ssp: how many clocks a worker may lead the slowest one
+    servers: int = 1  # shards; parameters are split into this many byte-balanced ranges
+    chunk_kb: int = CHUNK_KB  # streamed chunk size
+    host: str = "127.0.0.1"  # address local servers bind to
+    # Servers started elsewhere (python -m testbed.ps.server); empty: the launcher starts them here.
+    addresses: list[str] = field(default_factory=list)
+    # Push each shard during backward as soon as all its gradients are ready. A shard is pushed
+    # whole, so the granularity is the shard: with one server nothing is ready before backward ends.
+    overlap: bool = False
+    # TLS between workers and servers (PEM files): the servers' certificate and key, and the
+    # authority that signed it, which workers verify the servers' addresses against.
+    tls_cert: Optional[str] = None
+    tls_key: Optional[str] = None
+    tls_ca: Optional[str] = None
+
+
 class ParameterServerSync(Synchronizer):
     steps_optimizer = True
     waits_for_peers = False  # the shards report how long they held each pull back (t_wait)
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> None:
+        from testbed.ps.client import PsClient  # gRPC loads on the ranks that use it
+        from testbed.ps.wire import tls_of, token_from_env
+
         super().setup(model, optimizer, world)
         self.flat_params, self.flat_grads = flat_views(model, world.device)
         numel, servers = self.flat_params.numel(), int(self.cfg.servers)
@@ -64,40 +91,21 @@ class ParameterServerSync(Synchronizer):
     # --- overlap: push each shard from backward's hooks -------------------------------------
 
     def _watch_shards(self, model: nn.Module, bounds: list[tuple[int, int]]) -> None:
-        self._shards_of: dict[int, list[int]] = {}
-        self._needed = [0] * len(bounds)
-        offset = 0
-        for p in (p for p in model.parameters() if p.requires_grad):  # flat_views' order
+        params = [p for p in model.parameters() if p.requires_grad]  # flat_views' order
+        shards_of, offset = {}, 0
+        for p in params:
             lo, hi = offset, offset + p.numel()
             offset = hi
-            shards = [i for i, (a, b) in enumerate(bounds) if a < hi and lo < b]
-            self._shards_of[id(p)] = shards
-            for i in shards:
-                self._needed[i] += 1
-            p.register_post_accumulate_grad_hook(self._grad_ready)
+            shards_of[id(p)] = [i for i, (a, b) in enumerate(bounds) if a < hi and lo < b]
         self._pushes = ThreadPoolExecutor(max_workers=len(bounds), thread_name_prefix="ps-push")
-        self._armed = False
-
-    @contextmanager
-    def _boundary_backward(self) -> Iterator[None]:
-        self._remaining = list(self._needed)
         self._launched: dict[int, Future] = {}
-        self._armed = True
-        try:
-            yield
-        finally:
-            self._armed = False
+        self._readiness = GradReadiness(params, lambda p: shards_of[id(p)], len(bounds), self._launch)
 
     def micro_step(self, is_boundary: bool) -> ContextManager[None]:
-        return self._boundary_backward() if self.overlap and is_boundary else nullcontext()
-
-    def _grad_ready(self, p: torch.Tensor) -> None:
-        if not self._armed:
-            return
-        for i in self._shards_of[id(p)]:
-            self._remaining[i] -= 1
-            if self._remaining[i] == 0:
-                self._launch(i)
+        if not (self.overlap and is_boundary):
+            return nullcontext()
+        self._launched = {}
+        return self._readiness.armed()
 
     def _launch(self, i: int) -> None:
         self._launched[i] = self._pushes.submit(self.client.push_shard, i, self.grad_shards[i], self.versions[i])
@@ -135,6 +143,8 @@ class ParameterServerSync(Synchronizer):
         self.flat_grads.zero_()
 
     def describe(self) -> dict[str, Any]:
+        from testbed.ps.client import describe_stats
+
         return {
             "mode": self.cfg.mode,
             "servers": int(self.cfg.servers),
@@ -149,3 +159,71 @@ class ParameterServerSync(Synchronizer):
             self._pushes.shutdown(wait=True)
         if hasattr(self, "client"):
             self.client.close()
+
+
+def label(sync: Mapping[str, Any]) -> str:
+    """PS variants carry their mode and shard count: ps-sync, ps-ssp k=4."""
+    servers = sync.get("servers", 1)
+    return f"ps-{sync.get('mode', 'sync')}" + (f" k={servers}" if servers != 1 else "")
+
+
+def _check(cfg: Any) -> None:
+    ps = cfg.sync
+    require(ps.mode in MODES, f"sync.mode={ps.mode}: allowed: {'|'.join(MODES)}")
+    require(ps.servers >= 1, f"sync.servers={ps.servers}: must be >= 1")
+    require(ps.staleness >= 0, f"sync.staleness={ps.staleness}: must be >= 0")
+    require(1 <= ps.chunk_kb <= MAX_CHUNK_KB,
+            f"sync.chunk_kb={ps.chunk_kb}: must be in [1, {MAX_CHUNK_KB}] (chunks stay under the message limit)")  # fmt: skip
+    require(
+        not ps.addresses or len(ps.addresses) == ps.servers,
+        f"sync.addresses has {len(ps.addresses)} entries but sync.servers={ps.servers}; give one host:port per server",
+    )
+    require(
+        resolved_device(cfg) == "cpu",
+        "sync=ps exchanges host memory: use device=cpu (staging CUDA tensors through the host is not built yet)",
+    )
+    given = {k: ps.get(k) for k in ("tls_cert", "tls_key", "tls_ca")}
+    if any(given.values()):
+        missing = [k for k, v in given.items() if not v and (k == "tls_ca" or not ps.addresses)]
+        require(not missing, f"sync.{', sync.'.join(missing)}: TLS needs the servers' certificate and key (servers "
+                             "started here) and the authority workers verify them with (tls_ca)")  # fmt: skip
+        absent = [f"sync.{k}={v}" for k, v in given.items() if v and not Path(v).is_file()]
+        require(not absent, f"{', '.join(absent)}: no such file")
+    require(not (cfg.network.name == "emulated" and ps.addresses),
+            "network=emulated starts its own parameter servers inside the network; drop sync.addresses")  # fmt: skip
+    if cfg.checkpoint.every or cfg.resume:
+        require(ps.mode == "sync" and not ps.addresses,
+                "checkpoint/resume with sync=ps: the servers save their state in step with the workers in sync "
+                "mode, with servers the launcher starts; use sync.mode=sync without sync.addresses")  # fmt: skip
+
+
+@contextmanager
+def _start_servers(
+    plain: dict[str, Any], world_size: int, log_dir: Path, hosts: Optional[list[tuple[str, str]]],
+    saving: Optional[tuple[Path, int]], restore: Optional[Path],
+) -> Iterator[dict[str, str]]:  # fmt: skip
+    from testbed.ps.launch import LocalServers
+    from testbed.ps.wire import TOKEN_ENV
+
+    with LocalServers(plain["sync"], plain["optim"], world_size, log_dir, hosts, saving, restore) as ps:
+        plain["sync"]["addresses"] = ps.addresses
+        # The token is inherited by the ranks and kept out of the config; the pids serve fault=kill_ps.
+        yield {TOKEN_ENV: ps.token, PS_PIDS_ENV: json.dumps([proc.pid for proc in ps.procs])}
+
+
+def _cost(cfg: Any) -> Callable[[float], Cost]:
+    n, k = int(cfg.world_size), int(cfg.sync.servers)
+    return lambda s: parameter_server(n, s, servers=k)
+
+
+SPEC = SyncSpec(
+    name="ps", schema=PsSyncConfig, impl=ParameterServerSync, check=_check, label=label,
+    sim=SimModel(series=lambda cfg: f"ps_k{int(cfg.sync.servers)}", cost=_cost, schedule="clocks"),
+    servers=Servers(
+        count=lambda cfg: 0 if cfg.sync.addresses else int(cfg.sync.servers),
+        start=_start_servers,
+        apart="start the servers with python -m testbed.ps.server and pass sync.addresses=[host:port,...] "
+              "(and TESTBED_PS_TOKEN on servers and workers)",
+    ),  # fmt: skip
+    communicates_alone=True,
+)  # fmt: skip

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from testbed.collectives import chunk_bounds, ring_allreduce_
-from testbed.sync import register
-from testbed.sync.base import FlatGradSynchronizer
+from testbed.collectives.common import chunk_bounds
+from testbed.collectives.ring import ring_allreduce_
+from testbed.sim.costs import ring
+from testbed.sync.flat import FlatGradSynchronizer
+from testbed.sync.spec import BucketedSyncConfig, SimModel, SyncSpec, require_gloo_cpu
 
 
-@register("ring")
+@dataclass
+class RingSyncConfig(BucketedSyncConfig):
+    name: str = "ring"
+
+
 class RingAllReduce(FlatGradSynchronizer):
     def make_scratch(self, flat: torch.Tensor) -> torch.Tensor:
         lo, hi = chunk_bounds(flat.numel(), self.world.world_size)[0]
@@ -20,3 +27,9 @@ class RingAllReduce(FlatGradSynchronizer):
     def allreduce_(self, flat: torch.Tensor, scratch: Optional[torch.Tensor]) -> tuple[int, int]:
         traffic = ring_allreduce_(flat, scratch=scratch)
         return traffic.sent, traffic.recv
+
+
+RING = SimModel(series=lambda cfg: "ring", cost=lambda cfg: lambda s: ring(int(cfg.world_size), s))
+
+SPEC = SyncSpec(name="ring", schema=RingSyncConfig, impl=RingAllReduce, sim=RING,
+                check=lambda cfg: require_gloo_cpu(cfg, "sync=ring"))  # fmt: skip

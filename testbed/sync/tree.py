@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 
-from testbed.collectives import tree_allreduce_
-from testbed.collectives.tree import SCRATCH_CHUNKS
-from testbed.sync import register
-from testbed.sync.base import FlatGradSynchronizer
+from testbed.collectives.tree import SCRATCH_CHUNKS, tree_allreduce_
+from testbed.sim.costs import Cost, pipelined_tree, two_tree_reduce_broadcast
+from testbed.sync.flat import FlatGradSynchronizer
+from testbed.sync.spec import BucketedSyncConfig, SimModel, SyncSpec, require_chunk_kb, require_gloo_cpu
 
 
-@register("tree")
+@dataclass
+class TreeSyncConfig(BucketedSyncConfig):
+    name: str = "tree"
+    # Pipelining granularity: the buffer moves up and down the tree in chunks of this size.
+    chunk_kb: int = 1024
+    # Two complementary binary trees, each carrying half the buffer (NCCL's double binary tree).
+    double: bool = True
+
+
 class TreeAllReduce(FlatGradSynchronizer):
     def _chunk_elems(self, flat: torch.Tensor) -> int:
         # Capped at half the buffer (each tree's segment), so small gradients get small scratch.
@@ -28,3 +38,19 @@ class TreeAllReduce(FlatGradSynchronizer):
     def describe(self) -> dict[str, Any]:
         kind = "double binary" if self.cfg.double else "binary"
         return {**super().describe(), "tree": kind, "chunk_kb": self.cfg.chunk_kb}
+
+
+def _cost(cfg: Any) -> Callable[[float], Cost]:
+    n, chunk = int(cfg.world_size), int(cfg.sync.chunk_kb) * 1024
+    if not cfg.sync.get("double", True):
+        return lambda s: pipelined_tree(n, s, max(1, math.ceil(s / chunk)))
+    return lambda s: two_tree_reduce_broadcast(n, s, chunk)
+
+
+def _check(cfg: Any) -> None:
+    require_chunk_kb(cfg)
+    require_gloo_cpu(cfg, "sync=tree")
+
+
+SPEC = SyncSpec(name="tree", schema=TreeSyncConfig, impl=TreeAllReduce, check=_check,
+                sim=SimModel(series=lambda cfg: "tree", cost=_cost))  # fmt: skip

@@ -2,7 +2,7 @@
 
 The delay is one α per message at the sender, in series with the transfer (as in the α-β cost
 model), not a propagation delay that pipelines with the data; native collectives (Gloo's own
-all-reduce, DDP) do not see it, only the testbed's ring, tree and parameter-server senders.
+all-reduce, DDP) do not see it, only the testbed's ring, tree, halving-doubling and parameter-server senders.
 """
 
 from __future__ import annotations

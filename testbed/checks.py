@@ -1,0 +1,39 @@
+"""The vocabulary of configuration checks, below every component that declares its own checks.
+
+A check raises ``ConfigError`` with one line that names the field, the allowed values and the fix;
+``testbed.config.validate`` runs them all before any process is spawned.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message is one line naming the field and the fix."""
+
+
+def require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def enum_value(value: Any) -> str:
+    return value.value if isinstance(value, enum.Enum) else str(value)
+
+
+def resolved_device(cfg: Any) -> str:
+    device = enum_value(cfg.device)
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def resolved_backend(cfg: Any) -> str:
+    backend = enum_value(cfg.backend)
+    if backend == "auto":
+        return "nccl" if resolved_device(cfg) == "cuda" else "gloo"
+    return backend

@@ -1,0 +1,155 @@
+"""Gradients in flat buffers, cut into buckets: what every all-reduce synchronizer shares.
+
+An algorithm subclasses ``FlatGradSynchronizer`` with ``allreduce_`` (sum one bucket in place) and,
+where it reuses working memory, ``make_scratch``; bucketing, overlap and the mean live here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from abc import abstractmethod
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, ContextManager, Optional
+
+import torch
+from torch import nn
+
+from testbed.sync.base import GradReadiness, Synchronizer, SyncReport
+from testbed.world import World
+
+
+FIRST_BUCKET_BYTES = 2**20
+
+
+def bucket_ends(sizes: list[int], cap_bytes: Optional[float], first: bool = True) -> list[int]:
+    """Where buckets end (one past their last tensor) over tensors of ``sizes`` bytes, in the order
+    backward produces them: a bucket closes once it holds ``cap_bytes`` (None: one bucket for all).
+    As in DDP, the first bucket is small (1 MB) so that communication starts early; ``first`` says
+    whether these tensors open the first bucket. The simulator plans buckets with the same rule."""
+    ends, filled = [], 0
+    for i, size in enumerate(sizes):
+        filled += size
+        limit = cap_bytes if (ends or not first or cap_bytes is None) else min(cap_bytes, FIRST_BUCKET_BYTES)
+        if limit is not None and filled >= limit:
+            ends.append(i + 1)
+            filled = 0
+    if not ends or ends[-1] != len(sizes):
+        ends.append(len(sizes))
+    return ends
+
+
+@dataclass
+class Bucket:
+    """A contiguous slice of a flat gradient buffer, all-reduced as one collective."""
+
+    view: torch.Tensor
+    params: list[nn.Parameter]
+
+
+class FlatGradSynchronizer(Synchronizer):
+    """Averages gradients through preallocated flat buffers (one per dtype), bucket by bucket.
+
+    Each ``p.grad`` is a view into a buffer, so backward accumulates straight into it and every
+    collective runs on a contiguous slice with no packing copy (DDP's gradient_as_bucket_view).
+    Parameters are laid out in reverse registration order, roughly the order backward produces
+    their gradients, and cut into buckets of ``sync.bucket_mb`` (null: one bucket per buffer; 0:
+    one per tensor). With ``sync.overlap`` a bucket's collective starts on a communication thread
+    as soon as backward has produced all its gradients, in bucket order on every rank, and the step
+    waits only for what is still in flight; without it the buckets run one by one after backward.
+    """
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> None:
+        super().setup(model, optimizer, world)
+        params = [p for p in model.parameters() if p.requires_grad]
+        cap = self.cfg.get("bucket_mb")
+        cap_bytes = None if cap is None else float(cap) * 2**20
+        self.buffers: list[torch.Tensor] = []
+        self.buckets: list[Bucket] = []
+        for dtype in sorted({p.dtype for p in params}, key=str):
+            group = [p for p in reversed(params) if p.dtype == dtype]
+            flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=world.device)
+            offset = 0
+            for p in group:
+                view = flat[offset : offset + p.numel()].view_as(p)
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+                offset += p.numel()
+            offsets = list(itertools.accumulate((p.numel() for p in group), initial=0))
+            start = 0
+            for end in bucket_ends([p.numel() * flat.element_size() for p in group], cap_bytes, first=not self.buckets):
+                self.buckets.append(Bucket(flat[offsets[start] : offsets[end]], group[start:end]))
+                start = end
+            self.buffers.append(flat)
+        self.scratch = [self.make_scratch(b.view) for b in self.buckets]
+        self.overlap = bool(self.cfg.get("overlap", False)) and world.world_size > 1
+        if self.overlap:
+            self._comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comm")
+            bucket_of = {id(p): [i] for i, b in enumerate(self.buckets) for p in b.params}
+            self._launched: list[Future] = []
+            self._readiness = GradReadiness(params, lambda p: bucket_of[id(p)], len(self.buckets), self._bucket_ready)
+
+    def micro_step(self, is_boundary: bool) -> ContextManager[None]:
+        if not (self.overlap and is_boundary):
+            return nullcontext()
+        self._launched = []
+        return self._readiness.armed()
+
+    def _bucket_ready(self, index: int) -> None:
+        # Launch in bucket order only, so that every rank issues the same collectives in the same order.
+        remaining = self._readiness.remaining
+        while len(self._launched) < len(self.buckets) and remaining[len(self._launched)] == 0:
+            self._launched.append(self._comm.submit(self._run_bucket, len(self._launched)))
+
+    # --- the step --------------------------------------------------------------------------------
+
+    def _run_bucket(self, index: int) -> tuple[int, int, float]:
+        start = time.perf_counter()
+        sent, recv = self.allreduce_(self.buckets[index].view, self.scratch[index])
+        return sent, recv, time.perf_counter() - start
+
+    def after_backward(self, step: int, is_boundary: bool = True) -> SyncReport:
+        if not is_boundary:  # accumulate locally; communicate once per window
+            return SyncReport()
+        if self.world.world_size == 1:
+            return SyncReport(t_comm=0.0)
+        if self.overlap:
+            for index in range(len(self._launched), len(self.buckets)):  # parameters backward did not reach
+                self._launched.append(self._comm.submit(self._run_bucket, index))
+            results = [future.result() for future in self._launched]
+        else:
+            results = [self._run_bucket(index) for index in range(len(self.buckets))]
+        for flat in self.buffers:
+            flat.div_(self.world.world_size)
+        # One communication thread runs the buckets one at a time: busy time is the sum.
+        return SyncReport(
+            bytes_sent=sum(r[0] for r in results), bytes_recv=sum(r[1] for r in results), t_comm=sum(r[2] for r in results)
+        )
+
+    def make_scratch(self, bucket: torch.Tensor) -> Optional[torch.Tensor]:
+        """Working memory the algorithm reuses every step for ``bucket`` (allocated once, at setup)."""
+        return None
+
+    @abstractmethod
+    def allreduce_(self, flat: torch.Tensor, scratch: Optional[torch.Tensor]) -> tuple[int, int]:
+        """Sum ``flat`` across ranks in place; return (bytes sent, bytes received) by this rank."""
+
+    def zero_grad(self) -> None:
+        # One memset per flat buffer; the grads stay views into it.
+        for flat in self.buffers:
+            flat.zero_()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "buffer_bytes": sum(b.numel() * b.element_size() for b in self.buffers),
+            "buckets": len(self.buckets),
+            "bucket_mb": self.cfg.get("bucket_mb"),
+            "overlap": self.overlap,
+        }
+
+    def close(self) -> None:
+        if self.overlap:
+            self._comm.shutdown(wait=True)

@@ -1,0 +1,102 @@
+"""What a synchronizer declares to the rest of the testbed, beside its implementation.
+
+Each synchronizer is one module of this package with a ``SPEC``: its config schema and semantic
+checks (``testbed.config``), the servers the launcher must start for it (``testbed.launch``), its
+cost in the simulator (``testbed.sim``), and its label for tables and ``summary.json``. Those
+modules look a synchronizer up by name in ``testbed.sync.SYNCHRONIZERS`` and never switch on it.
+Declarations import nothing heavy: a synchronizer's gRPC or collective code loads when a rank
+builds it.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+from testbed.checks import require, resolved_backend, resolved_device
+from testbed.sim.costs import Cost
+
+
+@dataclass
+class SyncBase:
+    # Micro-steps per optimizer step: k forward/backward passes accumulate gradients, and only the
+    # last one (the window's boundary) communicates. The global batch grows k-fold.
+    accumulate: int = 1
+
+
+@dataclass
+class BucketedSyncConfig(SyncBase):
+    # Gradients are all-reduced in buckets of this many MB, in the order backward produces them;
+    # null: one bucket for all gradients; 0: one collective per tensor.
+    bucket_mb: Optional[float] = None
+    # Start each bucket's collective during backward, as soon as its gradients are ready.
+    overlap: bool = False
+
+
+@dataclass(frozen=True)
+class SimModel:
+    """How the simulator costs a synchronizer (testbed.sim.step).
+
+    ``schedule`` is the shape of its step: ``buckets``, every step's gradients bucket by bucket,
+    after backward or overlapped with it; ``average``, the whole model at the steps ``meets`` says
+    (local SGD); ``clocks``, pushes and pulls through the parameter server's worker-clock
+    simulation. ``cost(cfg)`` gives the cost of one message of ``s`` bytes, and ``series(cfg)`` the
+    calibration series (testbed.sim.calibrate) whose link fit prices it.
+    """
+
+    series: Callable[[Any], str]
+    cost: Callable[[Any], Callable[[float], Cost]]
+    schedule: str = "buckets"
+    overlap: Callable[[Any], bool] = lambda cfg: bool(cfg.sync.get("overlap", False))
+    meets: Callable[[Any, int], bool] = lambda cfg, step: True
+
+
+@dataclass(frozen=True)
+class Servers:
+    """Processes a synchronizer needs besides the ranks, started by the launcher before them.
+
+    ``count(cfg)``: how many the launcher starts here (0: started elsewhere, or none needed);
+    ``start(plain, world_size, log_dir, hosts, saving, restore)``: a context manager that starts
+    them (on ``hosts``, (namespace, address) pairs on an emulated network), writes their addresses
+    into ``plain["sync"]``, yields the environment the ranks need to reach them, and stops them on
+    exit; ``apart``: how to run them apart, for launches (torchrun, Slurm) that cannot start them.
+    """
+
+    count: Callable[[Any], int]
+    start: Callable[..., AbstractContextManager[dict[str, str]]]
+    apart: str
+
+
+@dataclass(frozen=True)
+class SyncSpec:
+    name: str  # the Hydra option (sync=<name>)
+    schema: type  # its structured config
+    impl: type  # its Synchronizer, built on every rank
+    sim: Optional[SimModel]  # None: it never communicates
+    check: Callable[[Any], None] = lambda cfg: None  # semantic checks on the whole config
+    label: Callable[[Mapping[str, Any]], str] = lambda sync: str(sync.get("name"))  # rows and dashboards
+    servers: Optional[Servers] = None
+    # Environment each rank sets before its process group exists (NCCL reads it there).
+    rank_env: Callable[[Any], dict[str, str]] = lambda cfg: {}
+    # A world of one still communicates (a parameter server is not a peer).
+    communicates_alone: bool = False
+
+    def local_servers(self, cfg: Any) -> int:
+        return self.servers.count(cfg) if self.servers else 0
+
+
+def require_gloo_cpu(cfg: Any, what: str) -> None:
+    """The testbed's point-to-point schedules run over Gloo on CPU tensors."""
+    if cfg.world_size > 1:
+        # Gloo has no CUDA send/recv, and NCCL ignores message tags and serialises ungrouped
+        # point-to-point calls, which the pipelined schedules rely on; they are verified on Gloo.
+        require(
+            resolved_device(cfg) == "cpu" and resolved_backend(cfg) == "gloo",
+            f"{what} runs over Gloo on CPU tensors; use device=cpu (or sync=allreduce for NCCL)",
+        )
+
+
+def require_chunk_kb(cfg: Any) -> None:
+    require(cfg.sync.chunk_kb >= 1, f"sync.chunk_kb={cfg.sync.chunk_kb}: must be >= 1")
+
