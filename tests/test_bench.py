@@ -15,8 +15,9 @@ def test_benchmark_records_and_table(tmp_path: Path) -> None:
                    cwd=tmp_path, module="testbed.bench")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     records = read_json(out)
+    impls = ("native", "ring", "tree", "halving_doubling")
     assert {(r["impl"], r["world_size"], r["bytes"]) for r in records} == {
-        (impl, n, size) for impl in ("native", "ring", "tree") for n in (2, 3) for size in (4096, 1 << 18, 1 << 20)
+        (impl, n, size) for impl in impls for n in (2, 3) for size in (4096, 1 << 18, 1 << 20)
     }
     for r in records:
         assert FIELDS <= set(r) and r["correct"] is True
@@ -29,7 +30,7 @@ def test_benchmark_records_and_table(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (figures / "collectives.png").stat().st_size > 1000 and (figures / "collectives.pdf").exists()
     report = (figures / "report.md").read_text()
-    for impl in ("native", "ring", "tree"):  # one fit per impl over its 2 (n, size >= 1 MiB) points
+    for impl in impls:  # one fit per impl over its 2 (n, size >= 1 MiB) points
         (row,) = [line for line in report.splitlines() if line.startswith(f"| loopback | {impl} |")]
         assert row.rstrip(" |").endswith("| 2"), row
 

@@ -13,10 +13,10 @@ import pytest
 from conftest import load_params, read_json, relative_error, run_cli
 
 TOL = 1e-5
-# Strong scaling with a global batch of 12: world sizes 2, 3 and 4 all split the same batches, so
+# Strong scaling with a global batch of 60: world sizes 2 to 5 all split the same batches, so
 # every run must match the single world_size=1 reference.
 COMMON = [
-    "steps=6", "warmup_steps=1", "data.scaling=strong", "data.batch_size=12", "data.num_samples=40",
+    "steps=6", "warmup_steps=1", "data.scaling=strong", "data.batch_size=60", "data.num_samples=120",
     "data.shape=[24]", "model.hidden=32", "launcher.echo_rank0=false",
 ]  # fmt: skip
 
@@ -36,6 +36,8 @@ def sweeps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     runs = {
         "ref": ["sync=none", "world_size=1"],
         "collectives": ["-m", "sync=allreduce,ring", "world_size=2,3,4"],
+        # 5 and 3 are not powers of two: their surplus ranks fold in and out.
+        "halving_doubling": ["-m", "sync=halving_doubling", "world_size=2,3,4,5"],
         # 1 KiB chunks: the ~4.5 KB gradient is pipelined through each tree in several chunks.
         "tree": ["-m", "sync=tree", "sync.chunk_kb=1", "sync.double=true,false", "world_size=2,3,4"],
     }
@@ -57,6 +59,16 @@ def test_collective_matches_single_process(sweeps: dict[str, Path], sync: str, n
     assert summary["status"] == "ok"
     assert summary["replicas_identical"], summary["param_hash"]
     assert relative_error(load_params(job), load_params(sweeps["ref"])) <= TOL
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_halving_doubling_matches_single_process(sweeps: dict[str, Path], n: int) -> None:
+    job = job_dirs(sweeps["halving_doubling"])[f"halving_doubling-{n}"]
+    summary = read_json(job / "summary.json")
+    assert summary["status"] == "ok" and summary["replicas_identical"], summary["param_hash"]
+    assert relative_error(load_params(job), load_params(sweeps["ref"])) <= TOL
+    # Folding moves more on the paired ranks, but the world's total is the ring's 2(n-1) gradients.
+    assert summary["bytes_per_step"] == pytest.approx(2 * (n - 1) / n * summary["gradient_bytes"], rel=0.01)
 
 
 def test_tree_matches_single_process(sweeps: dict[str, Path]) -> None:

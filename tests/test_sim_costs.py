@@ -255,6 +255,20 @@ def test_calibration_rejects_unknown_impl():
         calibrate.fit_records([{"impl": "mystery", "world_size": 2, "bytes": 4, "time_s": 1.0, "correct": True}])
 
 
+def test_calibration_models_halving_doubling():
+    rec = {"impl": "halving_doubling", "world_size": 6, "bytes": 1 << 20, "correct": True}
+    assert calibrate.model(rec) == halving_doubling(6, 1 << 20)
+    assert calibrate.model({**rec, "world_size": 1}) is None  # nothing sent
+    link = Link(ALPHA, BETA)
+    records = [{**rec, "world_size": n, "bytes": m, "time_s": halving_doubling(n, m).time(link)}
+               for n in (1, 2, 3, 4, 6, 8) for m in SIZES]  # fmt: skip
+    (fit,) = calibrate.fit_records(records, min_bytes=0)
+    assert (fit.impl, fit.points) == ("halving_doubling", 5 * len(SIZES))
+    assert fit.alpha == pytest.approx(ALPHA, rel=1e-6) and fit.beta == pytest.approx(BETA, rel=1e-6)
+    with pytest.raises(ValueError, match="allowed: native, ring, tree, halving_doubling, grpc_raw"):
+        calibrate.model({**rec, "impl": "recursive_halving"})
+
+
 def test_lookup_fallback_and_error():
     fits = calibrate.fit_records(synthetic(), min_bytes=0)
     assert calibrate.lookup(fits, "1gbit", "tree").impl == "tree"

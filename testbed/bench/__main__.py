@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tree-chunk-kb", type=int, default=1024)
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     parser.add_argument("--bandwidth", default="", help="emulate links of this rate (e.g. 100mbit, 1gbit): one network namespace per rank")
-    parser.add_argument("--latency-ms", type=float, default=0.0, help="with --bandwidth: added per message by ring and tree")
+    parser.add_argument("--latency-ms", type=float, default=0.0,
+                        help="with --bandwidth: added per message by the testbed's own senders (not native)")
     parser.add_argument("--out", default="", help="write the JSON records here")
     args = parser.parse_args(argv)
 

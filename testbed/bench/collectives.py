@@ -1,4 +1,4 @@
-"""All-reduce micro-benchmark in the style of nccl-tests: native vs ring vs tree, one run.
+"""All-reduce micro-benchmark in the style of nccl-tests: native vs ring vs tree vs halving-doubling, one run.
 
 algbw = bytes / time; busbw = algbw * 2(n-1)/n, the per-rank link bandwidth an all-reduce of that
 speed needs with any point-to-point algorithm, so it is comparable across n and against the
@@ -18,12 +18,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from testbed.collectives import ring_allreduce_, tree_allreduce_
+from testbed.collectives import halving_doubling_allreduce_, ring_allreduce_, scratch_elems, tree_allreduce_
 from testbed.collectives.tree import SCRATCH_CHUNKS
 from testbed.netem import enter_rank_namespace
 from testbed.timing import synchronize
 
-IMPLS = ("native", "ring", "tree")
+IMPLS = ("native", "ring", "tree", "halving_doubling")
 
 
 @dataclass
@@ -59,6 +59,9 @@ def _impl(name: str, numel: int, device: torch.device, tree_chunk_elems: int) ->
     if name == "tree":
         scratch = torch.empty(SCRATCH_CHUNKS * tree_chunk_elems, device=device)
         return lambda buf: tree_allreduce_(buf, chunk_elems=tree_chunk_elems, scratch=scratch) and None
+    if name == "halving_doubling":
+        scratch = torch.empty(scratch_elems(numel, dist.get_world_size()), device=device)
+        return lambda buf: halving_doubling_allreduce_(buf, scratch=scratch) and None
     raise ValueError(f"--impls: unknown {name!r}; allowed: {','.join(IMPLS)}")
 
 

@@ -5,7 +5,11 @@ and the benchmark share them and account traffic the same way.
 """
 
 from testbed.collectives.common import Traffic, chunk_bounds
+from testbed.collectives.halving_doubling import halving_doubling_allreduce_, scratch_elems
 from testbed.collectives.ring import ring_allreduce_
 from testbed.collectives.tree import btree, dtree, tree_allreduce_
 
-__all__ = ["Traffic", "chunk_bounds", "ring_allreduce_", "tree_allreduce_", "btree", "dtree"]
+__all__ = [
+    "Traffic", "chunk_bounds", "ring_allreduce_", "tree_allreduce_", "btree", "dtree",
+    "halving_doubling_allreduce_", "scratch_elems",
+]  # fmt: skip

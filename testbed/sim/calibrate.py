@@ -23,7 +23,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from testbed.results.step_log import metrics_path, read_step_log
-from testbed.sim.costs import Cost, Link, parameter_server, ring, two_tree_reduce_broadcast
+from testbed.sim.costs import Cost, Link, halving_doubling, parameter_server, ring, two_tree_reduce_broadcast
 
 DEFAULT_LINK = "loopback"  # records written before the bench kept a link key were all loopback
 TREE_CHUNK_BYTES = 1 << 20  # the bench's default --tree-chunk-kb 1024
@@ -59,18 +59,22 @@ def model(record: dict[str, Any], tree_chunk_bytes: int = TREE_CHUNK_BYTES) -> C
     ps_k1, so it gets the same model: its fit is the transport ceiling for the PS fits.
     """
     impl, n, nbytes = record["impl"], int(record["world_size"]), float(record["bytes"])
-    if impl in ("native", "ring", "tree") and n == 1:
+    if impl in ("native", "ring", "tree", "halving_doubling") and n == 1:
         return None  # an all-reduce over one rank sends nothing
     if impl in ("native", "ring"):
         return ring(n, nbytes)
     if impl == "tree":
         return two_tree_reduce_broadcast(n, nbytes, tree_chunk_bytes)
+    if impl == "halving_doubling":
+        return halving_doubling(n, nbytes)
     if impl == "grpc_raw":
         return parameter_server(n, nbytes, servers=1)
     match = re.fullmatch(r"ps_k(\d+)", impl)
     if match:
         return parameter_server(n, nbytes, servers=int(match.group(1)))  # strict push, then pull
-    raise ValueError(f"records: unknown impl {impl!r}; allowed: native, ring, tree, grpc_raw, ps_k<servers>")
+    raise ValueError(
+        f"records: unknown impl {impl!r}; allowed: native, ring, tree, halving_doubling, grpc_raw, ps_k<servers>"
+    )
 
 
 def load_records(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
@@ -175,11 +179,11 @@ def compute_per_sample(job_dir: Path, warmup: int | None = None) -> dict[str, fl
 
 
 def format_fits(fits: list[Fit]) -> str:
-    head = f"{'link':<10} {'impl':<9} {'alpha us':>9} {'Gbit/s':>8} {'GM err %':>9} {'max err %':>9} {'points':>6}"
+    head = f"{'link':<10} {'impl':<16} {'alpha us':>9} {'Gbit/s':>8} {'GM err %':>9} {'max err %':>9} {'points':>6}"
     lines = [head, "-" * len(head)]
     for f in fits:
         lines.append(
-            f"{f.link:<10} {f.impl:<9} {f.alpha * 1e6:>9.1f} {f.rate_gbit:>8.3f} "
+            f"{f.link:<10} {f.impl:<16} {f.alpha * 1e6:>9.1f} {f.rate_gbit:>8.3f} "
             f"{f.gm_error * 100:>9.1f} {f.max_error * 100:>9.1f} {f.points:>6}"
         )
     return "\n".join(lines)
