@@ -1,7 +1,8 @@
 # Two commands on a fresh machine:
 #   make demo   set up .venv, run the comparison sweep (sync x world_size), print the table, draw
 #               its scaling figure and report under results/compare/<time>/analysis
-#   make test   set up .venv, run the test suite (what CI runs)
+#   make test   set up .venv, lint, run the test suite (what CI runs)
+# make test-fast: the in-process unit tier and one end-to-end run (a few minutes).
 # Figures: make figure PRESET=stragglers [ARGS="seed=0"]; make figures runs every preset;
 # measured beside simulated: make figure PRESET=paper_models ANALYSIS_ARGS="--calibration docs/sim/calibration.json";
 # simulated ones: make sim-figure PRESET=horovod (or scaling_sim).
@@ -16,7 +17,7 @@ PRESETS := compare scaling overlap buckets accumulation stragglers diminishing p
 SIM_PRESETS := scaling_sim horovod
 RUN_DIR = results/$(PRESET)/$(shell date +%Y-%m-%d_%H-%M-%S)
 
-.PHONY: setup demo figure figures sim-figure test bench overhead clean
+.PHONY: setup demo figure figures sim-figure lint test test-fast bench overhead clean
 
 setup: $(STAMP)
 
@@ -44,8 +45,20 @@ sim-figure: $(STAMP)
 figures: $(STAMP)
 	for p in $(PRESETS); do $(MAKE) --no-print-directory figure PRESET=$$p ARGS="$(ARGS)" || exit 1; done
 
-test: $(STAMP)
-	OMP_NUM_THREADS=1 WANDB_MODE=disabled $(BIN)/python -m pytest -q
+TEST_ENV := OMP_NUM_THREADS=1 WANDB_MODE=disabled
+# The end-to-end run of test-fast: one Hydra sweep through the real CLI (ranks, collectives, the
+# results contract of every job, the comparison table).
+SMOKE := tests/test_results_contract.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check
+
+test: lint
+	$(TEST_ENV) $(BIN)/python -m pytest -q --durations=25
+
+test-fast: lint
+	$(TEST_ENV) $(BIN)/python -m pytest -q -m unit
+	$(TEST_ENV) $(BIN)/python -m pytest -q $(SMOKE)
 
 bench: $(STAMP)
 	$(BIN)/python -m testbed.bench --world-sizes 2,4 --sizes 1M,16M,64M --out bench-results/collectives.json

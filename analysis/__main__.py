@@ -40,11 +40,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("sources: give either benchmark JSON files or run directories, not both")
         return _bench(bench, args.out or Path(bench[0]).with_suffix(""))
     local = [Path(s) for s in args.sources if not s.startswith("wandb:")]
-    try:
-        runs, steps = load(args.sources)
-        summaries = load_summaries(local)
+    try:  # each local directory searched once: the table, the frames and the validation share it
+        by_source = {s: load_summaries([Path(s)]) for s in args.sources if not s.startswith("wandb:")}
+        runs, steps = load(args.sources, by_source)
     except FileNotFoundError as exc:
         parser.error(str(exc))
+    summaries = [summary for s in args.sources if s in by_source for summary in by_source[s]]
     if runs.empty:
         print("no runs found (no job directory with a summary.json)", file=sys.stderr)
         return 1
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         written += figures.step_breakdown(runs, out)
     sections = [published.horovod_section(table)] if not table.empty else []
     if args.calibration:
-        figs, section = validation.analyse(validate(local, args.calibration, args.cores), out)
+        figs, section = validation.analyse(validate(summaries, args.calibration, args.cores), out)
         written += figs
         sections.append(section)
     report = write_report(out, args.sources, runs, table, written, breakdown(runs), target, sections)

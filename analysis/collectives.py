@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from analysis.figures import _save  # noqa: E402
-from analysis.report import markdown_table  # noqa: E402
+from testbed.results.format import markdown_table  # noqa: E402
 from testbed.sim.calibrate import Fit, fit_records, model  # noqa: E402
 
 

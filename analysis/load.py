@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping, Optional
 
 import pandas as pd
 
+from testbed.results.keys import run_key
 from testbed.results.step_log import read_step_log
+from testbed.results.summary import load_summaries
 from testbed.results.table import sync_label
 
 # Columns of the run frame taken from summary.json as they are.
@@ -21,8 +23,6 @@ SUMMARY_COLUMNS = (
     "status", "world_size", "global_batch", "throughput", "step_time", "step_time_p10", "step_time_p90",
     "imbalance", "idle_fraction", "bytes_per_step", "final_loss",
 )  # fmt: skip
-# Overrides that vary within one configuration: the worker count and the repeat's seed.
-VARYING = ("world_size=", "seed=")
 # Overrides that do not describe the experiment (where it ran, how it logs) or that a label shows anyway.
 QUIET = ("sync=", "+experiment=", "device=", "launcher.", "hydra.", "wandb.", "sim.")
 
@@ -39,11 +39,11 @@ def run_row(summary: dict[str, Any], overrides: list[str], source: str) -> dict[
     row["simulated"] = bool(summary.get("simulated"))
     if row["simulated"]:  # drawn as its own series beside the measured one
         row["option"] = f"{row['option']} (simulated)"
-    row["config_key"] = ",".join(sorted(o for o in overrides if not o.startswith(VARYING)))
+    row["config_key"] = run_key(overrides)
     # What sets the run apart besides its synchronizer and size, for tables and legends.
-    row["setting"] = ",".join(o for o in sorted(overrides) if not o.startswith((*VARYING, *QUIET)))
+    row["setting"] = run_key(overrides, ignore=QUIET)
     # A configuration's setting without its synchronizer: runs that differ only there are compared.
-    row["setting_key"] = ",".join(sorted(o for o in overrides if not o.startswith((*VARYING, "sync="))))
+    row["setting_key"] = run_key(overrides, ignore=("sync=",))
     for override in overrides:
         key, _, value = override.partition("=")
         if not key.startswith(("hydra.", "+experiment")):
@@ -58,19 +58,14 @@ def _number(value: str) -> Any:
         return value
 
 
-def job_dirs(roots: list[Path]) -> Iterator[Path]:
-    for root in roots:
-        if not root.is_dir():
-            raise FileNotFoundError(f"{root}: no such directory")
-        for path in sorted(root.rglob("summary.json")):
-            yield path.parent
-
-
-def load_local(roots: list[Path]) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(runs, steps) of every job directory under ``roots``."""
+def load_local(
+    roots: list[Path], summaries: Optional[list[dict[str, Any]]] = None
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(runs, steps) of every job directory under ``roots``; ``summaries``: theirs, already loaded
+    (testbed.results.summary.load_summaries, each with its ``job_dir``), so they are not searched again."""
     runs, steps = [], []
-    for job in job_dirs(roots):
-        summary = json.loads((job / "summary.json").read_text())
+    for summary in load_summaries(roots) if summaries is None else summaries:
+        job = Path(summary["job_dir"])
         row = run_row(summary, list(summary.get("overrides") or []), str(job))
         runs.append(row)
         for path in sorted((job / "metrics").glob("rank*.jsonl")):
@@ -161,9 +156,16 @@ def read_offline_run(run_file: Path) -> dict[str, Any]:
     return out
 
 
-def load(sources: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Every source: ``wandb:entity/project/group`` or a local directory."""
-    frames = [load_wandb(s[len("wandb:") :]) if s.startswith("wandb:") else load_local([Path(s)]) for s in sources]
+def load(
+    sources: list[str], summaries: Optional[Mapping[str, list[dict[str, Any]]]] = None
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Every source: ``wandb:entity/project/group`` or a local directory; ``summaries``: the local
+    sources' summaries by source, already loaded (load_summaries), else each directory is searched."""
+
+    def local(source: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+        return load_local([Path(source)], None if summaries is None else summaries[source])
+
+    frames = [load_wandb(s[len("wandb:") :]) if s.startswith("wandb:") else local(s) for s in sources]
     runs = pd.concat([f[0] for f in frames], ignore_index=True) if frames else pd.DataFrame()
     steps = pd.concat([f[1] for f in frames], ignore_index=True) if frames else pd.DataFrame()
     return runs, steps

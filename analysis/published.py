@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from analysis.report import markdown_table
+from testbed.results.format import markdown_table
 
 HOROVOD_N = 128
 HOROVOD = (  # (paper_model, system, efficiency at 128 GPUs)

@@ -3,31 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import pandas as pd
+
+from testbed.results.format import markdown_table
 
 SCALING_COLUMNS = {
     "option": "sync", "setting": "setting", "world_size": "n", "repeats": "repeats", "throughput": "samples/s", "throughput_std": "± std",
     "speedup": "speed-up", "efficiency": "efficiency", "efficiency_common": "efficiency (common n=1)",
     "marginal_speedup": "marginal speed-up", "imbalance": "imbalance", "idle_fraction": "idle",
 }  # fmt: skip
-
-
-def markdown_table(frame: pd.DataFrame, columns: dict[str, str]) -> str:
-    cols = [c for c in columns if c in frame.columns]
-    lines = ["| " + " | ".join(columns[c] for c in cols) + " |", "|" + "---|" * len(cols)]
-    for _, row in frame.iterrows():
-        lines.append("| " + " | ".join(_cell(row[c]) for c in cols) + " |")
-    return "\n".join(lines)
-
-
-def _cell(value: Any) -> str:
-    if value is None or (isinstance(value, float) and pd.isna(value)):
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.3f}" if abs(value) < 10 else f"{value:,.1f}"
-    return str(value)
 
 
 def write_report(

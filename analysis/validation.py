@@ -17,7 +17,7 @@ from matplotlib.ticker import NullFormatter  # noqa: E402
 
 from analysis.figures import _save  # noqa: E402
 from analysis.load import QUIET  # noqa: E402
-from analysis.report import markdown_table  # noqa: E402
+from testbed.results.format import markdown_table  # noqa: E402
 from testbed.sim.validate import geometric_error  # noqa: E402
 
 

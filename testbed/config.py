@@ -19,6 +19,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from testbed.batch import per_rank_batch
 from testbed.checks import ConfigError, enum_value, require, resolved_backend, resolved_device
 from testbed.data.loader import TOKEN_DTYPES, WORKER_STARTS, TokenFile
 from testbed.optim import SCHEMAS as OPTIM_SCHEMAS
@@ -413,17 +414,6 @@ def _help() -> dict[str, str]:
 
 
 # --- semantic checks --------------------------------------------------------------------------
-
-def per_rank_batch(cfg: DictConfig) -> int:
-    if enum_value(cfg.data.scaling) == "strong":
-        return int(cfg.data.batch_size) // int(cfg.world_size)
-    return int(cfg.data.batch_size)
-
-
-def global_batch(cfg: DictConfig) -> int:
-    """Samples per optimizer step over all ranks and accumulation micro-steps."""
-    return per_rank_batch(cfg) * int(cfg.world_size) * int(cfg.sync.accumulate)
-
 
 def validate(cfg: DictConfig, local_world_size: Optional[int] = None, simulated: bool = False) -> None:
     """Raise ConfigError for a config that cannot run; called before any rank is spawned.

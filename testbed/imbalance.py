@@ -21,7 +21,7 @@ import random
 import time
 from typing import Any
 
-from testbed import config
+from testbed.batch import per_rank_batch
 
 
 class Injector:
@@ -75,7 +75,7 @@ def shard_batches(cfg: Any) -> list[int]:
     The total is always the global batch of a run without imbalance, so runs compare at equal work.
     """
     n = int(cfg.world_size)
-    per_rank = config.per_rank_batch(cfg)
+    per_rank = per_rank_batch(cfg)
     imb = cfg.imbalance
     if imb.name != "uneven" or n == 1:
         return [per_rank] * n

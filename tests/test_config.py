@@ -10,6 +10,7 @@ from hydra import compose, initialize_config_dir
 from PIL import Image
 
 from testbed import config
+from testbed.batch import global_batch, per_rank_batch
 from testbed.config import ConfigError, validate
 from testbed.paths import config_dir
 from testbed.preflight import check_command_line
@@ -112,8 +113,8 @@ def test_preflight_raises_the_same_errors(case: str) -> None:
 def test_derived_batch_sizes() -> None:
     weak = composed(["world_size=4", "data.batch_size=8"])
     strong = composed(["world_size=4", "data.batch_size=8", "data.scaling=strong"])
-    assert (config.per_rank_batch(weak), config.global_batch(weak)) == (8, 32)
-    assert (config.per_rank_batch(strong), config.global_batch(strong)) == (2, 8)
+    assert (per_rank_batch(weak), global_batch(weak)) == (8, 32)
+    assert (per_rank_batch(strong), global_batch(strong)) == (2, 8)
 
 
 def test_cpu_defaults_resolve_to_gloo() -> None:

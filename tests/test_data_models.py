@@ -9,6 +9,8 @@ from omegaconf import OmegaConf
 from testbed.data import RankBatches, build_data
 from testbed.models import build_model, gradient_bytes
 
+pytestmark = pytest.mark.unit
+
 
 def data_cfg(**kw):
     base = {"name": "synthetic", "num_samples": 50, "shape": [3, 4, 4], "num_classes": 5, "vocab_size": 16, "seq_len": 6}

@@ -23,6 +23,8 @@ from testbed.data.loader import (
     TokenFile,
 )
 
+pytestmark = pytest.mark.unit
+
 UNEVEN = [3, 1, 2]
 
 

@@ -27,6 +27,8 @@ from testbed.sim.costs import (
     two_tree_reduce_broadcast,
 )
 
+pytestmark = pytest.mark.unit
+
 LINK = Link(alpha=1e-5, beta=1e-9, gamma=1e-10)
 MIB = 2**20
 NO_GAMMA = Link(alpha=1e-5, beta=1e-9)

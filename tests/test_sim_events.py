@@ -19,6 +19,8 @@ from testbed.sim.events import (
     synchronous_steps,
 )
 
+pytestmark = pytest.mark.unit
+
 BASE = 0.010  # s of compute per step
 PUSH = PULL = 0.001  # s on a worker's own link
 

@@ -14,6 +14,8 @@ from testbed.models.language import IGNORE, MaskedTokens
 from testbed.models.resnet import resnet
 from testbed.models.vgg import vgg16
 
+pytestmark = pytest.mark.unit
+
 
 def _meta(build, *args, **kwargs) -> nn.Module:
     with torch.device("meta"):  # shapes only: full-size models build in milliseconds

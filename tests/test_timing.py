@@ -9,6 +9,8 @@ import torch
 
 from testbed.timing import PHASES, StepClock, compute_time, fill_wait, percentile, real_compute_time
 
+pytestmark = pytest.mark.unit
+
 
 def rec(step: int, enter: float, t_sync: float) -> dict:
     return {"step": step, "t_sync_enter": enter, "t_sync": t_sync, "t_wait": None}

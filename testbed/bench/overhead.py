@@ -21,6 +21,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from testbed import config
+from testbed.batch import per_rank_batch
 from testbed.data import build_data
 from testbed.models import build_model
 from testbed.optim import build_optimizer
@@ -56,7 +57,7 @@ def measure(overrides: list[str], steps: int, repeats: int) -> dict:
     world = World(0, 0, 1, 1, device, config.resolved_backend(cfg), cfg.timeouts.collective_s)
     bf16 = config.enum_value(cfg.precision) == "bf16"
     torch.manual_seed(cfg.seed)
-    batch_samples = config.per_rank_batch(cfg)
+    batch_samples = per_rank_batch(cfg)
 
     def data():  # a fresh stream per run: a DataLoader's batches are read once, in order
         return build_data(cfg.data, [batch_samples], 0, cfg.seed, device)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
+from testbed.results.format import rows_frame, text_table
+
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -26,23 +30,28 @@ def size_series(lo: int, hi: int, factor: int) -> list[int]:
 
 
 def format_results(records: list[dict], impls: list[str]) -> str:
-    header = ["n", "bytes"]
+    """One row per (world size, size): each impl's time (ms), busbw (GB/s) and correctness, then each
+    impl's time over the first's (testbed.results.format; ``-`` where an impl has no record)."""
+    columns, formats = {"n": "n", "bytes": "bytes"}, {"bytes": human}
     for impl in impls:
-        header += [f"{impl} ms", f"{impl} busbw GB/s", f"{impl} ok"]
-    header += [f"{impl}/{impls[0]}" for impl in impls[1:]]
+        columns.update({f"{impl} ms": f"{impl} ms", f"{impl} busbw": f"{impl} busbw GB/s", f"{impl} ok": f"{impl} ok"})
+        formats.update({f"{impl} ms": _fixed(3), f"{impl} busbw": _fixed(3)})
+    for impl in impls[1:]:
+        columns[f"{impl}/{impls[0]}"] = f"{impl}/{impls[0]}"
+        formats[f"{impl}/{impls[0]}"] = _fixed(2)
     rows = []
-    for (n, nbytes) in sorted({(r["world_size"], r["bytes"]) for r in records}):
+    for n, nbytes in sorted({(r["world_size"], r["bytes"]) for r in records}):
         by = {r["impl"]: r for r in records if r["world_size"] == n and r["bytes"] == nbytes}
-        row = [str(n), human(nbytes)]
-        for impl in impls:
-            r = by.get(impl)
-            row += ["-", "-", "-"] if r is None else [f"{1e3 * r['time_s']:.3f}", f"{r['busbw'] / 1e9:.3f}", str(r["correct"])]
+        row = {"n": n, "bytes": nbytes}
+        for impl, r in by.items():
+            row.update({f"{impl} ms": 1e3 * r["time_s"], f"{impl} busbw": r["busbw"] / 1e9, f"{impl} ok": r["correct"]})
         base = by.get(impls[0])
         for impl in impls[1:]:
-            r = by.get(impl)
-            row.append(f"{r['time_s'] / base['time_s']:.2f}" if r and base else "-")
+            if impl in by and base:
+                row[f"{impl}/{impls[0]}"] = by[impl]["time_s"] / base["time_s"]
         rows.append(row)
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    out = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
-    out += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-    return "\n".join(out)
+    return text_table(rows_frame(rows, list(columns)), columns, formats, rule=False)
+
+
+def _fixed(decimals: int) -> Callable[[float], str]:
+    return lambda value: f"{value:.{decimals}f}"

@@ -79,15 +79,29 @@ def example_input(spec: DataSpec, batch: int, device: str | torch.device) -> tor
     return torch.zeros(batch, *spec.shape, device=device)
 
 
+# Below this many parameters a forward pass on the CPU takes milliseconds, while the meta device's
+# first forward in a process takes seconds (its kernels load torch._dynamo).
+CPU_CHECK_PARAMS = 5_000_000
+
+
 def check_fits(cfg: Any, spec: DataSpec) -> None:
     """Build the model and run a forward pass of two samples; raise ValueError (one line naming the
     model and the data) when it cannot be built or its output does not fit the data's targets.
 
-    Shapes only, on the meta device (no memory, no compute); a model with an operation the meta
-    device lacks is tried on the CPU.
+    Small models run on the CPU; large ones on the meta device (shapes only: no memory, no compute),
+    or on the CPU where the meta device lacks an operation.
     """
     expected = (2, spec.seq_len, spec.vocab_size) if spec.kind == "lm" else (2, spec.num_classes)
-    for device in ("meta", "cpu"):
+    devices = ("meta", "cpu")
+    try:
+        with torch.device("meta"):
+            if sum(p.numel() for p in build_model(cfg, spec).parameters()) <= CPU_CHECK_PARAMS:
+                devices = ("cpu",)
+    except ValueError:
+        raise
+    except Exception:
+        pass  # reported by the attempts below
+    for device in devices:
         try:
             with torch.device(device):
                 model = build_model(cfg, spec)

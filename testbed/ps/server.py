@@ -106,18 +106,27 @@ class Shard:
                 values = torch.empty(numel, dtype=dtype)
             except (RuntimeError, MemoryError):
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"InitParams: cannot hold {numel} elements of {dtype}") from None
-            expected = 0
-            for chunk in _chain(first, stream):
-                self._check_chunk(chunk, expected, numel, dtype, worker_bound=1)
-                if chunk.step != numel:
-                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "InitParams: every chunk must carry the same size")
-                copy_in(values, chunk.offset, chunk.data)
-                expected += chunk.length
-            if expected != numel:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"InitParams: got {expected} of {numel} elements")
+            self._receive("InitParams", first, stream, values, worker_bound=1, same=("step",),
+                          changed="every chunk must carry the same size")  # fmt: skip
             self._hold(values)
             self.stats["bytes_in"] += numel * values.element_size()
         return self.info()
+
+    def _receive(self, rpc: str, first: Chunk, rest: Iterator[Chunk], into: torch.Tensor, worker_bound: int,
+                 same: tuple[str, ...], changed: str) -> None:  # fmt: skip
+        """Validate the chunk stream ``first, *rest`` and copy it into ``into`` (1-D, its size and
+        dtype are the stream's): chunks in order without gaps that fill ``into`` exactly, from
+        workers below ``worker_bound``, each with the fields ``same`` of the first chunk (else
+        refused as "<rpc>: <changed>"). A refusal may leave ``into`` partly written."""
+        numel, dtype, expected = into.numel(), into.dtype, 0
+        for chunk in _chain(first, rest):
+            self._check_chunk(chunk, expected, numel, dtype, worker_bound)
+            if any(getattr(chunk, field) != getattr(first, field) for field in same):
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{rpc}: {changed}")
+            copy_in(into, chunk.offset, chunk.data)
+            expected += chunk.length
+        if expected != numel:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{rpc}: got {expected} of {numel} elements")
 
     def _hold(self, values: torch.Tensor) -> None:
         """Preallocate, once: the parameters, the gradient the optimizer reads, each worker's staged
@@ -175,7 +184,7 @@ class Shard:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "Push: empty stream")
         worker = first.worker
         with self.cond:
-            params = self._require_params()
+            self._require_params()
             self._check_worker(worker)
             if worker in self.pushing:
                 raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"worker {worker} already has a push in progress")
@@ -189,16 +198,8 @@ class Shard:
             self.pushing.add(worker)
         try:
             # Staged outside the lock: only this worker's stream writes its staging row.
-            numel, dtype = params.numel(), params.dtype
-            row, expected = self.staging[worker], 0
-            for chunk in _chain(first, stream):
-                self._check_chunk(chunk, expected, numel, dtype, worker_bound=self.workers)
-                if chunk.worker != worker or chunk.step != first.step:
-                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "Push: worker and step must not change mid-stream")
-                copy_in(row, chunk.offset, chunk.data)
-                expected += chunk.length
-            if expected != numel:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"Push: got {expected} of {numel} elements")
+            self._receive("Push", first, stream, self.staging[worker], worker_bound=self.workers,
+                          same=("worker", "step"), changed="worker and step must not change mid-stream")  # fmt: skip
             return self._commit(worker, int(first.step))
         finally:
             with self.cond:
@@ -266,7 +267,12 @@ class Shard:
             self.stats["bytes_out"] += params.numel() * params.element_size()
             slowest = min(self.clocks)
         context.send_initial_metadata((("blocked-seconds", f"{blocked:.9f}"), ("slowest-clock", str(slowest))))
-        yield from encoded_chunks(source, self.shard, 0, version, self.chunk_bytes, byte_view(source))
+        yield from self.pull_messages(source, version)
+
+    def pull_messages(self, source: torch.Tensor, version: int) -> Iterator[Any]:
+        """A pull's TensorChunk messages, which add_servicer's ``encode`` turns into bytes: here
+        already encoded (testbed.ps.wire); testbed.bench.wire overrides it to compare codecs."""
+        return encoded_chunks(source, self.shard, 0, version, self.chunk_bytes, byte_view(source))
 
     def _may_pull(self, worker: int, clock: int) -> bool:
         if self.mode == "sync":
@@ -399,15 +405,20 @@ def _parsed(request: Any) -> Any:
     return request
 
 
-def add_servicer(servicer: Servicer, server: grpc.Server) -> None:
+def add_servicer(
+    servicer: Servicer, server: grpc.Server, decode: Callable[[bytes], Chunk] = decode_chunk,
+    encode: Callable[[Any], bytes] = passthrough,
+) -> None:  # fmt: skip
     """Register the service with the fast TensorChunk path: chunks in are decoded without copying
-    their payload, chunks out are encoded with one copy (testbed.ps.wire)."""
+    their payload, chunks out are encoded with one copy (testbed.ps.wire). ``decode`` (which must
+    not raise: it marks a bad message ``malformed``) and ``encode`` (of Shard.pull_messages) are
+    there for the codec benchmark, testbed.bench.wire."""
     std = grpc.unary_unary_rpc_method_handler
     handlers = {
         "Register": std(servicer.Register, _lenient(pb.RegisterRequest), pb.ShardInfo.SerializeToString),
-        "InitParams": grpc.stream_unary_rpc_method_handler(servicer.InitParams, decode_chunk, pb.ShardInfo.SerializeToString),
-        "Push": grpc.stream_unary_rpc_method_handler(servicer.Push, decode_chunk, pb.PushReply.SerializeToString),
-        "Pull": grpc.unary_stream_rpc_method_handler(servicer.Pull, _lenient(pb.PullRequest), passthrough),
+        "InitParams": grpc.stream_unary_rpc_method_handler(servicer.InitParams, decode, pb.ShardInfo.SerializeToString),
+        "Push": grpc.stream_unary_rpc_method_handler(servicer.Push, decode, pb.PushReply.SerializeToString),
+        "Pull": grpc.unary_stream_rpc_method_handler(servicer.Pull, _lenient(pb.PullRequest), encode),
         "Clock": std(servicer.Clock, _lenient(pb.ClockRequest), pb.ClockReply.SerializeToString),
         "Stats": std(servicer.Stats, _lenient(pb.StatsRequest), pb.StatsReply.SerializeToString),
         "Shutdown": std(servicer.Shutdown, _lenient(pb.ShutdownRequest), pb.ShutdownReply.SerializeToString),

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 from omegaconf import OmegaConf
 
-from testbed import config
+from testbed import batch
 from testbed.results.step_log import metrics_path, read_step_log
 from testbed.results.workload import workload_throughput
 from testbed.timing import PHASES, compute_time, fill_wait, percentile
@@ -97,7 +97,7 @@ def summarize(
     # not wait for each other (asynchronous and bounded-staleness PS) and counts communication
     # that happens only every few steps (local SGD), which a median step would leave out.
     step_times = [max(r["t_step"] for r in row) for row in rows]
-    global_batch = config.global_batch(OmegaConf.create(cfg))
+    global_batch = batch.global_batch(OmegaConf.create(cfg))
     step_time = percentile(step_times, 50)
     per_rank_steps = [(row_r[0]["samples"], [r["t_step"] for r in row_r]) for row_r in zip(*rows)]
 

@@ -11,6 +11,9 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from testbed.results.format import rows_frame, text_table
+from testbed.results.keys import run_key
+
 COLUMNS = (
     ("sync", "sync"), ("n", "world_size"), ("status", "status"), ("samples/s", "throughput"), ("tokens/s", "tokens"),
     ("step ms", "step_ms"), ("sync ms", "sync_ms"), ("wait ms", "wait_ms"), ("imbalance", "imbalance"), ("speedup", "speedup"),
@@ -45,16 +48,17 @@ def summary_row(summary: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _baseline_key(summary: dict[str, Any]) -> str:
+def _baseline_key(summary: dict[str, Any]) -> tuple[str, str]:
     """Jobs with equal keys differ only in world_size: the command-line overrides but world_size
-    (values that follow world_size, such as ps_sharded's shard count, stay equal there), or, for
-    summaries without them, the resolved config but world_size and run-time server addresses."""
+    (testbed.results.keys.run_key; the seed stays, so a repeat is compared with the single worker
+    of its own seed), or, for summaries without them, the resolved config but world_size and
+    run-time server addresses."""
     if "overrides" in summary:
-        return json.dumps(sorted(o for o in summary["overrides"] if not o.startswith("world_size=")))
+        return "overrides", run_key(summary["overrides"], vary=("world_size=",))
     cfg = dict(summary.get("config") or {})
     cfg.pop("world_size", None)
     cfg["sync"] = {k: v for k, v in (cfg.get("sync") or {}).items() if k != "addresses"}
-    return json.dumps(cfg, sort_keys=True, default=str)
+    return "config", json.dumps(cfg, sort_keys=True, default=str)
 
 
 def comparison_rows(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -75,26 +79,13 @@ def comparison_rows(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
-    return str(value)
-
-
 OPTIONAL = ("tokens",)  # printed only when a row has a value
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    columns = [(t, k) for t, k in COLUMNS if k not in OPTIONAL or any(row.get(k) is not None for row in rows)]
-    header = [title for title, _ in columns]
-    body = [[_cell(row.get(key)) for _, key in columns] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(header)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in body]
-    return "\n".join(lines)
+    """The rows (summary_row, comparison_rows) as a console table (testbed.results.format)."""
+    keys = [key for _, key in COLUMNS]
+    return text_table(rows_frame(rows, keys), {key: title for title, key in COLUMNS}, optional=OPTIONAL)
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
+from scipy.optimize import nnls
 
 from testbed.results.step_log import metrics_path, read_step_log
 from testbed.sim.costs import Cost, Link, halving_doubling, parameter_server, ring, two_tree_reduce_broadcast
@@ -88,29 +89,13 @@ def load_records(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
     return records
 
 
-def _nnls2(a: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """argmin |a x - y| over x >= 0 for two columns: the unconstrained optimum if feasible, else the
-    best fit on a face of the orthant (one coefficient zero), which is where the optimum then lies."""
-    x, *_ = np.linalg.lstsq(a, y, rcond=None)
-    if np.all(x >= 0):
-        return x
-    candidates = [np.zeros(2)]
-    for j in range(2):
-        col = a[:, j]
-        norm = col @ col
-        if norm > 0:
-            single = np.zeros(2)
-            single[j] = max(0.0, col @ y / norm)
-            candidates.append(single)
-    return min(candidates, key=lambda c: float(np.sum((a @ c - y) ** 2)))
-
-
 def _fit_series(link: str, impl: str, rows: list[tuple[Cost, float]]) -> Fit:
     coef = np.array([[cost.messages, cost.bytes] for cost, _ in rows])
     measured = np.array([t for _, t in rows])
     # Gamma is not fitted: on CPUs the reduction runs inside the measured bandwidth term, and for ring
     # and PS its coefficient is proportional to the bytes one, so it could not be told apart from beta.
-    alpha, beta = _nnls2(coef / measured[:, None], np.ones(len(rows)))
+    # Least squares over alpha, beta >= 0: a negative alpha (small points under the line) is no link.
+    alpha, beta = nnls(coef / measured[:, None], np.ones(len(rows)))[0]
     pred = coef @ np.array([alpha, beta])
     # Log ratios, so that predicting half and predicting double count as the same error.
     log_err = np.abs(np.log(pred / measured)) if np.all(pred > 0) else np.full(len(rows), math.inf)

@@ -15,22 +15,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
 from testbed import config
-from testbed.results.summary import load_summaries
+from testbed.results.keys import run_key
 from testbed.sim.step import simulate
 from testbed.sync import SYNCHRONIZERS
 
-VARYING = ("world_size=", "seed=")
-
 
 def _setting(overrides: list[str], drop_sync: bool) -> str:
-    skip = VARYING + (("sync=",) if drop_sync else ())
-    return ",".join(sorted(o for o in overrides if not o.startswith(skip) and not o.startswith("hydra.")))
+    """The run's configuration (testbed.results.keys.run_key), without hydra's own overrides and,
+    with ``drop_sync``, without its synchronizer."""
+    return run_key(overrides, ignore=("hydra.", *(("sync=",) if drop_sync else ())))
 
 
 def _single_worker(summary: dict[str, Any], singles: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
@@ -58,9 +56,10 @@ def _predict(summary: dict[str, Any], calibration: str, compute_from: str, cores
         return math.nan
 
 
-def validate(roots: list[Path], calibration: str, cores: Optional[int]) -> list[dict[str, Any]]:
-    """One row per measured run: sync option, world size, setting, measured and predicted step times."""
-    summaries = [s for s in load_summaries(roots) if s.get("status") == "ok" and not s.get("simulated")]
+def validate(summaries: list[dict[str, Any]], calibration: str, cores: Optional[int]) -> list[dict[str, Any]]:
+    """One row per measured run of ``summaries`` (testbed.results.summary.load_summaries, each with
+    its ``job_dir``): sync option, world size, setting, measured and predicted step times."""
+    summaries = [s for s in summaries if s.get("status") == "ok" and not s.get("simulated")]
     singles = [s for s in summaries if s["world_size"] == 1]
     rows = []
     for summary in summaries:
