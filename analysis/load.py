@@ -8,8 +8,9 @@ and offline W&B runs read straight from their ``.wandb`` files, no network neede
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any
 
 import pandas as pd
 
@@ -59,7 +60,7 @@ def _number(value: str) -> Any:
 
 
 def load_local(
-    roots: list[Path], summaries: Optional[list[dict[str, Any]]] = None
+    roots: list[Path], summaries: list[dict[str, Any]] | None = None
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(runs, steps) of every job directory under ``roots``; ``summaries``: theirs, already loaded
     (testbed.results.summary.load_summaries, each with its ``job_dir``), so they are not searched again."""
@@ -157,7 +158,7 @@ def read_offline_run(run_file: Path) -> dict[str, Any]:
 
 
 def load(
-    sources: list[str], summaries: Optional[Mapping[str, list[dict[str, Any]]]] = None
+    sources: list[str], summaries: Mapping[str, list[dict[str, Any]]] | None = None
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Every source: ``wandb:entity/project/group`` or a local directory; ``summaries``: the local
     sources' summaries by source, already loaded (load_summaries), else each directory is searched."""

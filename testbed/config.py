@@ -21,6 +21,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from testbed.batch import per_rank_batch
 from testbed.checks import ConfigError, enum_value, require, resolved_backend, resolved_device
+from testbed.data.datasets import DATA_KINDS
 from testbed.data.loader import TOKEN_DTYPES, WORKER_STARTS, TokenFile
 from testbed.optim import SCHEMAS as OPTIM_SCHEMAS
 from testbed.paths import config_dir
@@ -360,7 +361,7 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
         "bert": LanguageModelConfig,
         "custom": CustomModelConfig,
     },
-    "data": {name: DataConfig for name in ("synthetic", "lm", "digits", "synthetic_images", "image_folder", "tokens")},
+    "data": {name: DataConfig for name in DATA_KINDS},
     "optim": OPTIM_SCHEMAS,
     "launcher": {"local": LocalLauncherConfig},
     "imbalance": {
@@ -516,7 +517,7 @@ def _validate_model(cfg: DictConfig) -> None:
              "model=custom needs model.target=<module.attr> of an nn.Module class or factory (e.g. torch.nn.Linear)")  # fmt: skip
     kind = model_kind(cfg.model.name)
     if kind.reads is not None:
-        readers = [d for d in GROUP_SCHEMAS["data"] if _data_kind(d) == kind.reads]
+        readers = [d for d, reads in DATA_KINDS.items() if reads == kind.reads]
         require(spec.kind == kind.reads,
                  f"model={cfg.model.name} cannot read data={cfg.data.name}; allowed: data={'|'.join(readers)}")  # fmt: skip
     if kind.language:
@@ -537,10 +538,6 @@ def _validate_model(cfg: DictConfig) -> None:
         check_fits(cfg.model, spec)
     except ValueError as exc:
         raise ConfigError(f"{exc}") from None
-
-
-def _data_kind(name: str) -> str:
-    return "lm" if name in ("lm", "tokens") else "classification"
 
 
 def _validate_imbalance(cfg: DictConfig) -> None:

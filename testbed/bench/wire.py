@@ -1,15 +1,15 @@
 """TensorChunk codec A/B: testbed.ps.wire's hand codec against the generated parameter_server_pb2 classes.
 
-Both codecs do the work the shard and its clients do. encode: a payload's chunk stream as the bytes
-gRPC sends (hand: ``encoded_chunks``; pb2: ``TensorChunk(..., data=bytes(slice))`` then
-``SerializeToString``). decode: those messages parsed and copied into a tensor, as Push does into its
-staging row and a client's pull into its parameters (hand: ``decode_chunk``, the payload a view of
-the message; pb2: ``TensorChunk.FromString``). round trip: one push and one pull through a real
-shard process (testbed.ps.server's Shard and Servicer, sync mode, one worker, 1 MiB chunks) with
-the codec on both ends. Medians over repetitions, the two codecs interleaved; pb2/hand > 1 means
-the hand codec is faster.
+Each codec does what the shard and its clients do with it. encode: a payload's chunk stream into
+the bytes gRPC sends (hand: ``encoded_chunks``, one copy; pb2: ``TensorChunk(data=bytes(slice))``
+then ``SerializeToString``). decode: those bytes parsed and copied into a tensor, as Push does into
+its staging row and a pull into the worker's parameters (hand: ``decode_chunk``, the payload a view
+of the message; pb2: ``TensorChunk.FromString``). push+pull: one round through a shard process
+(testbed.ps.server's Shard and Servicer; sync, one worker, 1 MiB chunks) speaking the codec on
+both ends: add_servicer's ``decode``/``encode`` and, for pb2, Shard.pull_messages overridden.
+Medians over --reps, the codecs interleaved; pb2/hand > 1: the hand codec is faster.
 
-  python -m testbed.bench.wire [--sizes 1M,16M,64M] [--reps 9] [--no-round-trip]
+  python -m testbed.bench.wire [--sizes 1M,16M,64M] [--reps 15] [--no-round-trip]
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import grpc
 import torch
@@ -47,6 +48,7 @@ from testbed.ps.wire import (
     keep_freed_memory,
     passthrough,
 )  # fmt: skip
+from testbed.results.format import rows_frame, text_table
 
 CHUNK_BYTES = 1 << 20  # the default --chunk-kb
 SGD = SgdConfig(lr=1.0, momentum=0.0)
@@ -105,9 +107,9 @@ def decode_stream(codec: Codec, messages: list[bytes], into: torch.Tensor) -> No
         copy_in(into, chunk.offset, chunk.data)
 
 
-def timed(fn: Callable[[], object]) -> float:
+def timed(fn: Callable[..., object], *args: object) -> float:
     start = time.perf_counter()
-    fn()
+    fn(*args)
     return time.perf_counter() - start
 
 
@@ -120,9 +122,9 @@ def bench_codecs(nbytes: int, reps: int) -> dict[str, tuple[float, float]]:
     times: dict[str, dict[str, list[float]]] = {"encode": {n: [] for n in CODECS}, "decode": {n: [] for n in CODECS}}
     for _ in range(reps):
         for name, codec in CODECS.items():  # interleaved, so a busy moment hits both
-            times["encode"][name].append(timed(lambda: encode_stream(codec, flat)))
+            times["encode"][name].append(timed(encode_stream, codec, flat))
             into.zero_()
-            times["decode"][name].append(timed(lambda: decode_stream(codec, wire[name], into)))
+            times["decode"][name].append(timed(decode_stream, codec, wire[name], into))
             assert torch.equal(into, flat), f"{name} decoded wrong values"
     return {op: (statistics.median(by["hand"]), statistics.median(by["pb2"])) for op, by in times.items()}
 
@@ -198,7 +200,7 @@ def bench_round_trip(links: dict[str, Link], nbytes: int, reps: int) -> tuple[fl
     times: dict[str, list[float]] = {name: [] for name in links}
     for i in range(reps + 1):  # the first round warms up
         for name, link in links.items():
-            elapsed = timed(lambda: link.round(grad, params))
+            elapsed = timed(link.round, grad, params)
             if i:
                 times[name].append(elapsed)
             # SGD with lr 1 subtracts the gradient of ones once per round: exact integers.
@@ -206,16 +208,10 @@ def bench_round_trip(links: dict[str, Link], nbytes: int, reps: int) -> tuple[fl
     return statistics.median(times["hand"]), statistics.median(times["pb2"])
 
 
-def table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
-    return "\n".join(lines + ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows])
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m testbed.bench.wire", description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1M,16M,64M", help="payloads, comma-separated")
-    parser.add_argument("--reps", type=int, default=9, help="repetitions per measurement (medians)")
+    parser.add_argument("--reps", type=int, default=15, help="repetitions per measurement (medians)")
     parser.add_argument("--no-round-trip", action="store_true", help="only encode and decode, no shard process")
     parser.add_argument("--serve", nargs=3, metavar=("CODEC", "PORT_FILE", "COUNT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -228,9 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     keep_freed_memory()  # as PsClient and the shard do
     ops = ["encode", "decode"] + ([] if args.no_round_trip else ["push+pull"])
-    header = ["payload", "chunks"] + [f"{op} {col}" for op in ops for col in ("hand ms", "pb2 ms", "pb2/hand")]
+    columns = {"payload": "payload", "chunks": "chunks"}
+    columns.update({f"{op} {c}": f"{op} {c}" for op in ops for c in ("hand ms", "pb2 ms", "pb2/hand")})
+    two_decimals = {key: "{:.2f}".format for key in columns if key not in ("payload", "chunks")}
     rows = []
     procs: list[subprocess.Popen] = []
+    links: dict[str, list[Link]] = {}
     with tempfile.TemporaryDirectory(prefix="testbed-bench-wire-") as tmp:
         try:
             if not args.no_round_trip:
@@ -238,16 +237,19 @@ def main(argv: list[str] | None = None) -> int:
             for i, nbytes in enumerate(sizes):
                 result = bench_codecs(nbytes, args.reps)
                 if not args.no_round_trip:
-                    result["push+pull"] = bench_round_trip({name: ls[i] for name, ls in links.items()}, nbytes, args.reps)
-                row = [human(nbytes), str(-(-nbytes // CHUNK_BYTES))]
-                for hand, generated in (result[op] for op in ops):
-                    row += [f"{1e3 * hand:.2f}", f"{1e3 * generated:.2f}", f"{generated / hand:.2f}"]
+                    result["push+pull"] = bench_round_trip({n: ls[i] for n, ls in links.items()}, nbytes, args.reps)
+                row = {"payload": nbytes, "chunks": -(-nbytes // CHUNK_BYTES)}
+                for op in ops:
+                    hand, generated = result[op]
+                    row.update({f"{op} hand ms": 1e3 * hand, f"{op} pb2 ms": 1e3 * generated, f"{op} pb2/hand": generated / hand})
                 rows.append(row)
         finally:
+            for link in (link for ls in links.values() for link in ls):
+                link.channel.close()
             for proc in procs:
                 proc.kill()
                 proc.wait(timeout=10)
-    print(table(rows, header))
+    print(text_table(rows_frame(rows, list(columns)), columns, {"payload": human, **two_decimals}, rule=False))
     return 0
 
 

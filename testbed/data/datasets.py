@@ -21,21 +21,26 @@ def load_dataset(cfg: Any, seed: int) -> tuple[torch.Tensor, torch.Tensor, DataS
     raise ValueError(f"data={cfg.name}: unknown; allowed: synthetic|lm|digits")
 
 
+# What each data option feeds a model: classification inputs with labels, or token sequences.
+DATA_KINDS = {"synthetic": "classification", "digits": "classification", "synthetic_images": "classification",
+              "image_folder": "classification", "lm": "lm", "tokens": "lm"}
+
+
 def spec_for(cfg: Any) -> DataSpec:
     """The data's input spec without generating or reading it (what models and the simulator need)."""
+    if cfg.name not in DATA_KINDS:
+        raise ValueError(f"data={cfg.name}: unknown; allowed: {'|'.join(DATA_KINDS)}")
+    if DATA_KINDS[cfg.name] == "lm":
+        return DataSpec("lm", (cfg.seq_len,), vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
     if cfg.name == "synthetic":
         return DataSpec("classification", tuple(cfg.shape), num_classes=cfg.num_classes)
-    if cfg.name in ("lm", "tokens"):
-        return DataSpec("lm", (cfg.seq_len,), vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
     if cfg.name == "digits":
         return DataSpec("classification", (1, 8, 8), num_classes=10)
     if cfg.name == "synthetic_images":
         return DataSpec("classification", (3, cfg.image_size, cfg.image_size), num_classes=cfg.num_classes)
-    if cfg.name == "image_folder":
-        # Scans the folders (as torchvision's ImageFolder does), so a bad root fails before any rank starts.
-        classes = ImageFolder(cfg.root, cfg.image_size).classes
-        return DataSpec("classification", (3, cfg.image_size, cfg.image_size), num_classes=len(classes))
-    raise ValueError(f"data={cfg.name}: unknown; allowed: synthetic|lm|digits|synthetic_images|image_folder|tokens")
+    # image_folder scans its folders (as torchvision's ImageFolder does): a bad root fails before any rank starts.
+    classes = ImageFolder(cfg.root, cfg.image_size).classes
+    return DataSpec("classification", (3, cfg.image_size, cfg.image_size), num_classes=len(classes))
 
 
 def synthetic_classification(

@@ -21,17 +21,14 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from testbed.seeds import rank_seed
+
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 TOKEN_DTYPES = ("uint16", "uint32")
 # Workers must start from a clean process: a forked gRPC channel (the parameter server's) breaks.
 WORKER_STARTS = ("forkserver", "spawn")
-
-
-def rank_seed(seed: int, rank: int) -> int:
-    """One well-mixed 64-bit seed per ``(seed, rank)``, distinct from the epoch-order seeds."""
-    return int(np.random.SeedSequence((seed % 2**64, rank)).generate_state(1, np.uint64)[0])
 
 
 class RankSampler(Sampler[int]):
@@ -249,4 +246,4 @@ class SyntheticImageBatches:
         """Nothing to shut down (the interface of ``LoaderBatches``)."""
 
 
-__all__ = ["ImageFolder", "LoaderBatches", "RankSampler", "SyntheticImageBatches", "TokenFile", "rank_seed"]
+__all__ = ["ImageFolder", "LoaderBatches", "RankSampler", "SyntheticImageBatches", "TokenFile"]

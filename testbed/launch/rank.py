@@ -26,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from testbed import checkpoint, config
 from testbed.buffers import BufferSync
 from testbed.data import build_data
-from testbed.data.loader import rank_seed
+from testbed.seeds import rank_seed
 from testbed.faults import FaultInjector
 from testbed.imbalance import Injector, loss_weight, shard_batches
 from testbed.stall import Arrivals, StallError

@@ -92,7 +92,9 @@ def chunks(flat: torch.Tensor, shard: int, worker: int, step: int, chunk_bytes: 
 # protobuf's Python objects copy a payload up to three times (bytes(), the message, the wire
 # string). Writing the same wire format by hand costs one copy (header + payload joined into the
 # message gRPC sends) and reading it none (the payload stays a view of the received bytes).
-# Standard protobuf clients and servers interoperate with it unchanged.
+# Standard protobuf clients and servers interoperate with it unchanged. ``python -m
+# testbed.bench.wire`` measures it against the generated classes (docs/ps_wire.md); it stays only
+# while it is the faster.
 
 _DATA_KEY = (7 << 3) | 2  # field 7, length-delimited
 

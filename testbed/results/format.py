@@ -10,7 +10,8 @@ one from row dicts.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -33,7 +34,7 @@ def missing(value: Any) -> bool:
 def cell(value: Any, thousands: bool = False) -> str:
     if missing(value):
         return MISSING
-    if isinstance(value, (float, np.floating)):
+    if isinstance(value, float | np.floating):
         if abs(value) < 10:
             return f"{value:.3f}"
         return f"{value:,.1f}" if thousands else f"{value:.1f}"
@@ -46,7 +47,9 @@ def rows_frame(rows: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> pd.Dat
     return pd.DataFrame(list(rows), columns=list(keys), dtype=object)
 
 
-def _strings(data: pd.DataFrame, columns: Mapping[str, str], formats: Mapping[str, Formatter], thousands: bool) -> dict[str, list[str]]:
+def _strings(
+    data: pd.DataFrame, columns: Mapping[str, str], formats: Mapping[str, Formatter], thousands: bool
+) -> dict[str, list[str]]:
     out = {}
     for key in columns:
         fmt = formats.get(key)
@@ -65,7 +68,7 @@ def _present(data: pd.DataFrame, columns: Mapping[str, str], optional: Sequence[
 def text_table(
     data: pd.DataFrame,
     columns: Mapping[str, str],
-    formats: Optional[Mapping[str, Formatter]] = None,
+    formats: Mapping[str, Formatter] | None = None,
     optional: Sequence[str] = (),
     rule: bool = True,
 ) -> str:
@@ -84,7 +87,7 @@ def text_table(
 def markdown_table(
     data: pd.DataFrame,
     columns: Mapping[str, str],
-    formats: Optional[Mapping[str, Formatter]] = None,
+    formats: Mapping[str, Formatter] | None = None,
     optional: Sequence[str] = (),
 ) -> str:
     """Markdown pipe table of the ``columns`` (frame column to title) that ``data`` has."""

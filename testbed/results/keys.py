@@ -3,7 +3,7 @@ validation group runs by."""
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 # Overrides that vary within one configuration: the worker count and the repeat's seed.
 VARYING = ("world_size=", "seed=")
@@ -11,18 +11,17 @@ VARYING = ("world_size=", "seed=")
 
 def run_key(overrides: Iterable[str], vary: Sequence[str] = VARYING, ignore: Sequence[str] = ()) -> str:
     """The configuration a run belongs to: its command-line overrides, sorted and comma-joined,
-    but those that start with a prefix of ``vary`` or ``ignore``. Runs with equal keys differ only
-    in what those overrides set.
+    without those that start with a prefix in ``vary`` or ``ignore``.
 
-    What varies within a configuration (``vary``): by default world_size and seed, so repeats and
-    worker counts of one configuration share a key; the console table's baseline passes
-    ``("world_size=",)``, so that a run is compared with the single worker of its own seed.
-    Values that follow from world_size without being overrides (ps_sharded's shard count, the global
-    batch) do not enter the key. ``ignore`` drops more: ``("sync=",)`` gives the setting that runs
-    under different synchronizers share (compared against one another); ``hydra.`` or where a run
-    logged are not part of the experiment. Everything else, model, data, network, sync options,
-    steps, tells configurations apart, as does a different spelling of the same value (the key
-    compares the overrides as typed, not the resolved config).
+    Runs with equal keys are the same configuration and may differ only in what the dropped overrides
+    set. By default that is what ``vary`` names, the worker count and the seed, so the repeats and
+    world sizes of one configuration share a key (analysis.load's ``config_key``); the console
+    table's baseline passes ``vary=("world_size=",)``, comparing each run with the single worker of
+    its own seed. ``ignore`` drops more: ``("sync=",)`` gives the setting that runs under different
+    synchronizers share; ``("hydra.",)``, Hydra's own settings. Everything else tells configurations
+    apart: model, data, network, steps, synchronizer and its options. Values that follow from
+    world_size without being overrides (the global batch, ps_sharded's shard count) are not in the
+    key, and the overrides are compared as typed, not resolved (``lr=0.1`` and ``lr=.1`` differ).
     """
     skip = (*vary, *ignore)
     return ",".join(sorted(o for o in overrides if not o.startswith(skip)))

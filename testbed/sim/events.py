@@ -18,12 +18,12 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 from scipy.integrate import quad
-from scipy.optimize import brentq
+from scipy.optimize import bisect, brentq
 
 from testbed.imbalance import Injector
 from testbed.ps.modes import MODES, staleness_bound
@@ -106,8 +106,7 @@ def expected_max(dist: Jitter, n: int) -> float:
     """E[max of n i.i.d. delays] = integral over x >= 0 of 1 - F(x)^n (delays are never negative).
 
     Below ``lo`` the integrand is 1 to double precision and above ``hi`` it is below 1e-16, so only
-    [lo, hi], where it falls, is integrated numerically: over all of [0, inf) quad could step over
-    a narrow drop far from 0.
+    [lo, hi], where it falls, is integrated numerically: quad over [0, inf) could miss a narrow drop.
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
@@ -121,14 +120,17 @@ def expected_max(dist: Jitter, n: int) -> float:
     while tail(top) > tiny:
         top *= 2.0
 
-    def crossing(a: float, level: float) -> float:  # where tail falls to level in [a, top] (a if below)
-        # Only roughly: an error dx in lo or hi moves the result by under tiny * dx.
-        return a if tail(a) <= level else brentq(lambda x: tail(x) - level, a, top, xtol=1e-12 * top)
+    def crossing(solver: Callable[..., float], a: float, level: float) -> float:
+        """Where tail falls to ``level`` in [a, top] (a if it starts below). The integrand is in [0, 1],
+        so an error dx here moves the result by at most dx: tiny * mean is below its last digit."""
+        return a if tail(a) <= level else solver(lambda x: tail(x) - level, a, top, xtol=tiny * dist.mean_s)
 
-    lo = crossing(0.0, 1.0 - tiny)
-    hi = crossing(lo, tiny)
-    # Adaptive Gauss-Kronrod; limit above the default 50 subintervals for the long heavy tails.
-    return lo + quad(tail, lo, hi, epsabs=1e-12 * (hi - lo), epsrel=1e-12, limit=200)[0]
+    lo = crossing(bisect, 0.0, 1.0 - tiny)  # tail is exactly 1 up to lo: a step, nothing to interpolate
+    hi = crossing(brentq, lo, tiny)  # smooth here, so Brent's method converges fast
+    # Heavy tails make [lo, hi] span many decades: a break at each keeps quad from missing the mass near
+    # lo, and the limit leaves room to refine beyond those pieces.
+    decades = hi / 10.0 ** np.arange(1, 40)
+    return lo + quad(tail, lo, hi, epsabs=0.0, epsrel=1e-12, points=decades[decades > lo], limit=200)[0]
 
 
 def gaussian_max_approx(mean_s: float, std_s: float, n: int) -> float:

@@ -73,17 +73,25 @@ class Compute:
         return cls(per_sample * (1 - share), per_sample * share, 0.0, float(sim.optimizer_ms) / 1e3)
 
 
-def gradient_tensors(cfg: Any) -> list[int]:
+def meta_model(cfg: Any) -> Optional[torch.nn.Module]:
+    """The run's model with shapes only (no memory, no initialization); None for a model the
+    testbed does not build (``sim.gradient_mb``)."""
+    if cfg.sim.gradient_mb is not None:
+        return None
+    with torch.device("meta"):
+        return build_model(cfg.model, spec_for(cfg.data))
+
+
+def gradient_tensors(cfg: Any, model: Optional[torch.nn.Module] = None) -> list[int]:
     """Bytes of each gradient in the order backward produces them (the reverse of definition)."""
     if cfg.sim.gradient_mb is not None:
         count = int(cfg.sim.tensors)
         return [float(cfg.sim.gradient_mb) * 2**20 / count] * count
-    with torch.device("meta"):  # shapes only: no memory, no initialization
-        model = build_model(cfg.model, spec_for(cfg.data))
+    model = model if model is not None else meta_model(cfg)
     return [p.numel() * p.element_size() for p in reversed(list(model.parameters())) if p.requires_grad]
 
 
-def gradient_ready(cfg: Any) -> Optional[list[float]]:
+def gradient_ready(cfg: Any, model: Optional[torch.nn.Module] = None) -> Optional[list[float]]:
     """For each gradient of ``gradient_tensors``, the share of backward done when it is complete.
 
     Backward visits the layers in reverse forward order, each taking time in proportion to its
@@ -96,8 +104,8 @@ def gradient_ready(cfg: Any) -> Optional[list[float]]:
     if cfg.sim.gradient_mb is not None:
         return None
     spec = spec_for(cfg.data)
+    model = model if model is not None else meta_model(cfg)
     with torch.device("meta"):
-        model = build_model(cfg.model, spec)
         first_use: dict[str, int] = {}
 
         def seen(name: str) -> Callable[..., None]:
@@ -207,34 +215,35 @@ def predict(cfg: Any) -> Prediction:
     delays = compute_times(cfg.imbalance, n, steps, base, int(cfg.seed)) - np.array(base)
     work = np.array(base) + delays  # [steps, n]
 
-    tensors = gradient_tensors(cfg)
+    model = meta_model(cfg)  # built once for the gradients' sizes and their readiness
+    tensors = gradient_tensors(cfg, model)
     gradient_bytes = sum(tensors)
     spec = spec_of(sync.name)
-    model = spec.sim if spec.sim is not None and (n > 1 or spec.communicates_alone) else None
+    costing = spec.sim if spec.sim is not None and (n > 1 or spec.communicates_alone) else None
     facts: dict[str, Any] = {"gradient_bytes": gradient_bytes, "compute": asdict(compute), "slowdown": slowdown}
-    if model is None:  # nobody to talk to: every rank keeps its own pace
+    if costing is None:  # nobody to talk to: every rank keeps its own pace
         wait, comm = np.zeros_like(work), np.zeros_like(work)
         return Prediction(_records(cfg, sizes, per_sample, optimizer_s, accumulate, delays, wait, comm), facts)
-    link, facts["link"] = link_for(cfg, model.series(cfg))
-    facts["impl"] = model.series(cfg)
-    cost = model.cost(cfg)
+    link, facts["link"] = link_for(cfg, costing.series(cfg))
+    facts["impl"] = costing.series(cfg)
+    cost = costing.cost(cfg)
 
     def cost_s(nbytes: float) -> float:
         return cost(nbytes).time(link)
 
-    if model.schedule == "clocks":
+    if costing.schedule == "clocks":
         wait, comm = _parameter_server(cfg, work, gradient_bytes, link)
-    elif model.schedule == "average":  # the whole model, at the steps the ranks meet
-        meet = np.array([model.meets(cfg, t) for t in range(steps)])
+    elif costing.schedule == "average":  # the whole model, at the steps the ranks meet
+        meet = np.array([costing.meets(cfg, t) for t in range(steps)])
         wait, comm = _barrier(work, meet, np.where(meet, cost_s(gradient_bytes), 0.0))
     else:  # buckets, every step
         cap = sync.get("bucket_mb")
         cap_bytes = None if cap is None else float(cap) * 2**20
         ends = bucket_ends(tensors, cap_bytes)
         buckets = [sum(tensors[a:b]) for a, b in zip([0, *ends], ends)]
-        overlap = model.overlap(cfg)
+        overlap = costing.overlap(cfg)
         backward = per_sample[2] * max(sizes)  # the boundary micro-step's backward
-        shares = gradient_ready(cfg) if overlap else None
+        shares = gradient_ready(cfg, model) if overlap else None
         ready = [max(shares[a:b]) for a, b in zip([0, *ends], ends)] if shares else None
         facts.update(buckets=len(buckets), overlap=overlap, ready_from="flops" if ready else "bytes")
         wait, comm = _barrier(work, np.full(steps, True), np.full(steps, exposed_comm(buckets, cost_s, backward, overlap, ready)))

@@ -1,0 +1,231 @@
+"""The parameter-server Shard's state machine in-process, without gRPC: chunk iterators in, as the
+servicer passes them, and exact arithmetic out (integer-valued floats, SGD with lr 0.5, no momentum)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+
+import grpc
+import pytest
+import torch
+
+from testbed.optim import SgdConfig
+from testbed.ps import parameter_server_pb2 as pb
+from testbed.ps.server import Refused, Shard
+from testbed.ps.wire import Chunk, copy_in, decode_chunk
+
+NUMEL, CHUNK = 8, 3  # elements per shard and per chunk: streams of 3 + 3 + 2
+LR = 0.5
+INITIAL = torch.arange(NUMEL, dtype=torch.float32)
+INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
+
+pytestmark = pytest.mark.unit
+
+
+def chunks(values: torch.Tensor, worker: int, step: int) -> list[Chunk]:
+    """``values`` as the decoded chunks of one stream to shard 0."""
+    data = values.numpy().tobytes()
+    return [Chunk(worker=worker, shard=0, offset=o, length=min(CHUNK, NUMEL - o), dtype=pb.FLOAT32, step=step,
+                  data=memoryview(data[4 * o : 4 * min(o + CHUNK, NUMEL)])) for o in range(0, NUMEL, CHUNK)]  # fmt: skip
+
+
+def make_shard(mode: str, workers: int = 2, staleness: int = 1) -> Shard:
+    shard = Shard(0, workers, mode, staleness, SgdConfig(lr=LR, momentum=0.0), chunk_bytes=4 * CHUNK)
+    info = shard.init_params(iter(chunks(INITIAL, worker=0, step=NUMEL)))
+    assert (info.numel, info.dtype, info.version, info.workers, info.mode) == (NUMEL, pb.FLOAT32, 0, workers, mode)
+    return shard
+
+
+def push(shard: Shard, worker: int, grad: float, base: int) -> pb.PushReply:
+    return shard.push(iter(chunks(torch.full((NUMEL,), grad), worker, base)))
+
+
+class Context:
+    """The two ServicerContext methods Shard.pull uses."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s, self.metadata = timeout_s, {}
+
+    def time_remaining(self) -> float:
+        return self.timeout_s
+
+    def send_initial_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.metadata = dict(metadata)
+
+
+def pull(shard: Shard, worker: int, clock: int, timeout_s: float = 10.0) -> tuple[torch.Tensor, int, int]:
+    """(parameters, version, slowest clock) of one pull."""
+    context, params, versions = Context(timeout_s), torch.full((NUMEL,), float("nan")), set()
+    for message in shard.pull(pb.PullRequest(worker=worker, shard=0, clock=clock), context):
+        chunk = decode_chunk(message)
+        copy_in(params, chunk.offset, chunk.data)
+        versions.add(chunk.step)
+    assert len(versions) == 1 and float(context.metadata["blocked-seconds"]) >= 0
+    return params, versions.pop(), int(context.metadata["slowest-clock"])
+
+
+def refusal(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(Refused) as info:
+        call()
+    return info.value.code, str(info.value)
+
+
+def in_thread(fn: Callable[[], object]) -> Callable[[], object]:
+    """Start ``fn`` in a thread; the returned function joins it and gives its result."""
+    result: list[object] = []
+    thread = threading.Thread(target=lambda: result.append(fn()), daemon=True)
+    thread.start()
+
+    def join() -> object:
+        thread.join(timeout=10)
+        assert not thread.is_alive() and result, "the thread did not finish"
+        return result[0]
+
+    return join
+
+
+def test_init_and_register() -> None:
+    shard = Shard(0, 2, "sync", 0, SgdConfig(lr=LR, momentum=0.0), chunk_bytes=4 * CHUNK)
+    assert shard.register(1).numel == 0  # registering needs no parameters
+    assert refusal(lambda: push(shard, 0, 1.0, 0)) == (PRECONDITION, "shard 0 has no parameters yet (InitParams)")
+    assert refusal(lambda: shard.init_params(iter([]))) == (INVALID, "InitParams: empty stream")
+    shard.init_params(iter(chunks(INITIAL, worker=0, step=NUMEL)))
+    assert shard.register(1).numel == NUMEL
+    assert refusal(lambda: shard.register(2)) == (INVALID, "worker 2 out of range [0, 2)")
+    again = chunks(INITIAL + 1, worker=0, step=NUMEL)
+    assert refusal(lambda: shard.init_params(iter(again))) == (PRECONDITION, "shard 0 is already initialised")
+    assert torch.equal(pull(shard, 1, clock=0)[0], INITIAL)
+    assert shard.stats_reply().bytes_in == 4 * NUMEL
+
+
+GOOD_INIT = chunks(INITIAL, worker=0, step=NUMEL)
+BAD_INITS = {
+    "size changes": ([GOOD_INIT[0], replace(GOOD_INIT[1], step=NUMEL + 1), GOOD_INIT[2]],
+                     "InitParams: every chunk must carry the same size"),
+    "truncated": (GOOD_INIT[:1], f"InitParams: got {CHUNK} of {NUMEL} elements"),
+    "from worker 1": ([replace(c, worker=1) for c in GOOD_INIT], "chunk refused: worker 1 out of range [0, 1)"),
+    "no size": ([replace(c, step=0) for c in GOOD_INIT], "InitParams: need a dtype and the shard size in step"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INITS))
+def test_bad_init_is_refused_and_leaves_the_shard_empty(case: str) -> None:
+    stream, message = BAD_INITS[case]
+    shard = Shard(0, 1, "sync", 0, SgdConfig(lr=LR, momentum=0.0), chunk_bytes=4 * CHUNK)
+    assert refusal(lambda: shard.init_params(iter(stream))) == (INVALID, message)
+    assert shard.params is None and shard.stats_reply().bytes_in == 0
+    shard.init_params(iter(GOOD_INIT))  # the shard can still be initialised
+    assert torch.equal(pull(shard, 0, clock=0)[0], INITIAL)
+
+
+GOOD_PUSH = chunks(torch.full((NUMEL,), 4.0), worker=1, step=0)
+BAD_PUSHES = {
+    "gap": ([GOOD_PUSH[0], GOOD_PUSH[2]], f"chunk refused: offset {2 * CHUNK}, expected {CHUNK} (chunks in order, no gaps)"),
+    "worker changes": ([GOOD_PUSH[0], replace(GOOD_PUSH[1], worker=0), GOOD_PUSH[2]],
+                       "Push: worker and step must not change mid-stream"),
+    "step changes": ([GOOD_PUSH[0], GOOD_PUSH[1], replace(GOOD_PUSH[2], step=1)],
+                     "Push: worker and step must not change mid-stream"),
+    "truncated": (GOOD_PUSH[:2], f"Push: got {2 * CHUNK} of {NUMEL} elements"),
+    "short data": ([GOOD_PUSH[0], replace(GOOD_PUSH[1], data=GOOD_PUSH[1].data[:8]), GOOD_PUSH[2]],
+                   f"chunk refused: 8 data bytes for {CHUNK} elements of torch.float32"),
+    "future version": ([replace(c, step=3) for c in GOOD_PUSH], "push based on version 3 > 0"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("case", sorted(BAD_PUSHES))
+def test_bad_push_is_refused_and_changes_nothing(mode: str, case: str) -> None:
+    stream, message = BAD_PUSHES[case]
+    if mode == "sync" and case == "future version":
+        message = "sync push for version 3, but the shard is at version 0"
+    shard = make_shard(mode)
+    assert refusal(lambda: shard.push(iter(stream))) == (INVALID, message)
+    stats = shard.stats_reply()
+    assert (stats.version, list(stats.clocks), stats.pushes, shard.pushing, shard.pending) == (0, [0, 0], 0, set(), set())
+    assert torch.equal(shard.params.detach(), INITIAL)
+    assert push(shard, 1, 4.0, 0).version == (0 if mode == "sync" else 1)  # the worker may push again
+
+
+def test_sync_applies_the_mean_once_every_worker_pushed() -> None:
+    shard = make_shard("sync")
+    assert push(shard, 0, 2.0, 0) == pb.PushReply(version=0, staleness=0)  # staged, not applied
+    assert torch.equal(shard.params.detach(), INITIAL)
+    # A second push in the step is refused, and its data does not replace the staged one.
+    assert refusal(lambda: push(shard, 0, 100.0, 0)) == (PRECONDITION, "worker 0 already pushed step 0")
+    code, message = refusal(lambda: pull(shard, 0, clock=1, timeout_s=0.05))  # the step is not complete
+    assert (code, message) == (grpc.StatusCode.DEADLINE_EXCEEDED, "Pull: worker 0 at clock 1 still blocked; clocks [1, 0]")
+    waiting = in_thread(lambda: pull(shard, 0, clock=1))
+    assert push(shard, 1, 6.0, 0) == pb.PushReply(version=1, staleness=0)  # applies the step
+    expected = INITIAL - LR * (2.0 + 6.0) / 2
+    params, version, slowest = waiting()
+    assert torch.equal(params, expected) and (version, slowest) == (1, 1)
+    assert torch.equal(shard.params.detach(), expected)
+    # The next step: pushes on version 1 only.
+    assert refusal(lambda: push(shard, 1, 1.0, 0)) == (INVALID, "sync push for version 0, but the shard is at version 1")
+    push(shard, 1, 1.0, 1)
+    assert push(shard, 0, 3.0, 1).version == 2
+    assert torch.equal(pull(shard, 1, clock=2)[0], expected - LR * (1.0 + 3.0) / 2)
+    stats = shard.stats_reply()
+    assert (stats.version, list(stats.clocks), list(stats.staleness_histogram)) == (2, [2, 2], [4])
+    assert (stats.pushes, stats.pulls, stats.rejected) == (4, 2, 0)
+    assert (stats.bytes_in, stats.bytes_out) == (4 * NUMEL * (1 + 4), 4 * NUMEL * 2)
+    assert stats.apply_seconds > 0
+    assert refusal(lambda: shard.clock(pb.ClockRequest(worker=0, advance=True)))[0] == PRECONDITION
+
+
+def test_async_applies_each_push_on_arrival_scaled_by_one_over_workers() -> None:
+    shard = make_shard("async")
+    assert push(shard, 0, 4.0, 0) == pb.PushReply(version=1, staleness=0)
+    assert torch.equal(shard.params.detach(), INITIAL - LR * 4.0 / 2)
+    assert push(shard, 0, 2.0, 1) == pb.PushReply(version=2, staleness=0)
+    # Worker 1's gradient was computed on version 0; two updates landed since.
+    assert push(shard, 1, 8.0, 0) == pb.PushReply(version=3, staleness=2)
+    expected = INITIAL - LR * (4.0 + 2.0 + 8.0) / 2
+    params, version, slowest = pull(shard, 0, clock=2, timeout_s=0.0)  # async never waits, even 2 ahead
+    assert torch.equal(params, expected) and (version, slowest) == (3, 1)
+    assert refusal(lambda: pull(shard, 1, clock=2)) == (INVALID, "Pull: worker 1 at clock 2 has pushed only 1 times")
+    stats = shard.stats_reply()
+    assert (stats.version, list(stats.clocks), list(stats.staleness_histogram)) == (3, [2, 1], [2, 0, 1])
+    assert (stats.pushes, stats.pulls, stats.bytes_in, stats.bytes_out) == (3, 1, 4 * NUMEL * 4, 4 * NUMEL)
+
+
+def test_ssp_blocks_a_pull_while_its_worker_leads_by_more_than_the_staleness() -> None:
+    shard = make_shard("ssp", staleness=1)
+    push(shard, 0, 4.0, 0)
+    assert pull(shard, 0, clock=1, timeout_s=0.0)[1:] == (1, 0)  # one ahead of the slowest: allowed
+    push(shard, 0, 4.0, 1)
+    code, message = refusal(lambda: pull(shard, 0, clock=2, timeout_s=0.05))  # two ahead: blocked
+    assert (code, message) == (grpc.StatusCode.DEADLINE_EXCEEDED, "Pull: worker 0 at clock 2 still blocked; clocks [2, 0]")
+    waiting = in_thread(lambda: pull(shard, 0, clock=2))
+    assert push(shard, 1, 8.0, 0) == pb.PushReply(version=3, staleness=2)  # the straggler catches up: released
+    params, version, slowest = waiting()
+    assert torch.equal(params, INITIAL - LR * (4.0 + 4.0 + 8.0) / 2) and (version, slowest) == (3, 1)
+    # A skipped step advances a clock without a push, and releases pulls just the same.
+    push(shard, 0, 0.0, 3)
+    waiting = in_thread(lambda: pull(shard, 0, clock=3))
+    assert list(shard.clock(pb.ClockRequest(worker=1, advance=True)).clocks) == [3, 2]
+    assert waiting()[1:] == (4, 2)
+    stats = shard.stats_reply()
+    assert (stats.version, list(stats.clocks), list(stats.staleness_histogram), stats.pulls) == (4, [3, 2], [3, 0, 1], 3)
+
+
+def test_a_push_while_the_same_worker_is_pushing_is_refused() -> None:
+    shard = make_shard("async")
+    streaming, resume = threading.Event(), threading.Event()
+
+    def paused(stream: list[Chunk]) -> Iterator[Chunk]:
+        yield stream[0]
+        streaming.set()  # the shard has taken the first chunk: the push is in progress
+        assert resume.wait(timeout=10)
+        yield from stream[1:]
+
+    first = in_thread(lambda: shard.push(paused(chunks(torch.full((NUMEL,), 2.0), 0, 0))))
+    assert streaming.wait(timeout=10)
+    assert refusal(lambda: push(shard, 0, 100.0, 0)) == (PRECONDITION, "worker 0 already has a push in progress")
+    assert push(shard, 1, 4.0, 0).version == 1  # other workers push meanwhile
+    resume.set()
+    assert first() == pb.PushReply(version=2, staleness=1)
+    assert shard.pushing == set()
+    assert torch.equal(shard.params.detach(), INITIAL - LR * (2.0 + 4.0) / 2)
