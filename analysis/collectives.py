@@ -77,10 +77,10 @@ def comm_vs_n(records: list[dict[str, Any]], fits: list[Fit], out: Path) -> list
             template = {"impl": impl, "bytes": size}
             ns = [n for n in grid if n > 1 or impl.startswith("ps") or impl == "grpc_raw"]
             ax_n.plot(ns, [1e3 * model({**template, "world_size": n}).time(fit.to_link()) for n in ns], "--",
-                      color=line.get_color(), lw=0.9)  # fmt: skip
+                      color=line.get_color(), lw=0.9)
             if impl == "ps_k1":  # one shard per worker, on the same transport
                 ax_n.plot(ns, [1e3 * model({"impl": f"ps_k{n}", "bytes": size, "world_size": n}).time(fit.to_link())
-                               for n in ns], ":", color=line.get_color(), lw=0.9, label="PS k = n (model)")  # fmt: skip
+                               for n in ns], ":", color=line.get_color(), lw=0.9, label="PS k = n (model)")
     ps = [r for r in at_size if r["impl"].startswith("ps_k")]
     if ps:
         n = max(int(r["world_size"]) for r in ps)
@@ -90,11 +90,11 @@ def comm_vs_n(records: list[dict[str, Any]], fits: list[Fit], out: Path) -> list
         if fit is not None:
             ks = list(range(1, 2 * n + 1))
             ax_k.plot(ks, [1e3 * model({"impl": f"ps_k{k}", "bytes": size, "world_size": n}).time(fit.to_link()) for k in ks],
-                      "--", color=line.get_color(), lw=0.9, label="alpha-beta (ps_k1 fit)")  # fmt: skip
+                      "--", color=line.get_color(), lw=0.9, label="alpha-beta (ps_k1 fit)")
         ax_k.set(xlabel="server shards k", ylabel="time per push + pull (ms)", title=f"parameter server, n = {n}")
         ax_k.legend(fontsize=8)
     ax_n.set(xscale="log", yscale="log", xlabel="workers n", ylabel="time per synchronization (ms)",
-             title=f"{size / 2**20:g} MiB; dashed: fitted alpha-beta")  # fmt: skip
+             title=f"{size / 2**20:g} MiB; dashed: fitted alpha-beta")
     for ax in (ax_n, ax_k):
         ax.grid(alpha=0.3, which="both")
     ax_n.legend(fontsize=7)
@@ -111,10 +111,10 @@ def _medians(rows: list[dict[str, Any]]) -> dict[float, float]:
 
 def report_section(fits: list[Fit]) -> str:
     rows = [{"link": f.link, "impl": f.impl, "alpha_us": f.alpha * 1e6, "rate": f.rate_gbit,
-             "gm": 100 * f.gm_error, "max": 100 * f.max_error, "points": f.points} for f in fits]  # fmt: skip
+             "gm": 100 * f.gm_error, "max": 100 * f.max_error, "points": f.points} for f in fits]
     table = markdown_table(pd.DataFrame(rows), {"link": "link", "impl": "impl", "alpha_us": "alpha (us)",
                                                 "rate": "fitted rate (Gbit/s)", "gm": "GM error %",
-                                                "max": "max error %", "points": "points"})  # fmt: skip
+                                                "max": "max error %", "points": "points"})
     return "\n".join(["## Collective benchmark: alpha-beta fits", "",
                       "busbw = algbw * 2(n-1)/n. The fit minimizes relative residuals per (link, impl).", "", table, ""])
 

@@ -42,7 +42,7 @@ def _style(labels: list[str]) -> dict[str, dict]:
     bases = sorted({label.replace(" (simulated)", "") for label in labels})
     colors = {b: f"C{i % 10}" for i, b in enumerate(bases)}
     return {label: {"color": colors[label.replace(" (simulated)", "")], "ls": "--" if "(simulated)" in label else "-",
-                    "marker": "." if "(simulated)" in label else "o"} for label in labels}  # fmt: skip
+                    "marker": "." if "(simulated)" in label else "o"} for label in labels}
 
 
 def _workers_axis(ax: plt.Axes, ns: list[int]) -> None:
@@ -64,7 +64,7 @@ def scaling(table: pd.DataFrame, out: Path) -> list[Path]:
         style = styles[label]
         ax_e.errorbar(g["world_size"], g["efficiency_common"], yerr=g["efficiency_std"], capsize=3, label=label, **style)
         ax_x.errorbar(g["world_size"], g["throughput"], yerr=g["throughput_std"], capsize=3, label=label, **style)
-    for key, g in table.groupby("setting_key", dropna=False):  # the ideal: n times the best single worker
+    for _key, g in table.groupby("setting_key", dropna=False):  # the ideal: n times the best single worker
         single = g[g["world_size"] == 1]["throughput"]
         if not single.empty:
             ns = sorted(g["world_size"].unique())
@@ -142,7 +142,7 @@ def convergence(curves: pd.DataFrame, target: float, out: Path) -> list[Path]:
     largest world size of the sweep; the dashed line is the target of the time-to-target measure."""
     n = curves["world_size"].max()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for source, g in curves[curves["world_size"] == n].groupby("source"):
+    for _source, g in curves[curves["world_size"] == n].groupby("source"):
         label = f"{g['option'].iloc[0]} {g['setting'].iloc[0]}".strip()
         ax.plot(g["time"], g["smoothed"], lw=1.2, label=label)
     ax.axhline(target, color="k", ls="--", lw=0.8, label=f"target {target:.3g}")
@@ -156,7 +156,7 @@ def step_breakdown(runs: pd.DataFrame, out: Path) -> list[Path]:
     """Figure 4 style: stacked median phase times per run (sync split into wait and transfer)."""
     frame = breakdown(runs).sort_values(["option", "world_size", "overrides"])
     phases = [c for c in ("t_data", "t_injected", "t_forward", "t_backward", "t_transfer", "t_wait", "t_optimizer")
-              if c in frame.columns]  # fmt: skip
+              if c in frame.columns]
     fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(frame) + 2), 4.5))
     bottom = pd.Series(0.0, index=frame.index)
     for phase in phases:
@@ -172,5 +172,5 @@ def step_breakdown(runs: pd.DataFrame, out: Path) -> list[Path]:
 
 def _short_label(row: pd.Series) -> str:
     keep = [o for o in str(row["overrides"]).split(",") if o and not o.startswith(("+experiment", "sync=", "world_size=",
-                                                                                     "device=", "launcher.", "hydra."))]  # fmt: skip
+                                                                                     "device=", "launcher.", "hydra."))]
     return f"{row['option']} n={row['world_size']}" + (f" {' '.join(keep)}" if keep else "")

@@ -23,7 +23,7 @@ from testbed.results.table import sync_label
 SUMMARY_COLUMNS = (
     "status", "world_size", "global_batch", "throughput", "step_time", "step_time_p10", "step_time_p90",
     "imbalance", "idle_fraction", "bytes_per_step", "final_loss",
-)  # fmt: skip
+)
 # Overrides that do not describe the experiment (where it ran, how it logs) or that a label shows anyway.
 QUIET = ("sync=", "+experiment=", "device=", "launcher.", "hydra.", "wandb.", "sim.")
 
@@ -153,7 +153,7 @@ def read_offline_run(run_file: Path) -> dict[str, Any]:
             out["summary"].update({u.key or "/".join(u.nested_key): json.loads(u.value_json) for u in record.summary.update})
     # wandb stores config values as {"value": v} (plus its own "_wandb" entry)
     out["config"] = {k: v.get("value") if isinstance(v, dict) and "value" in v else v
-                     for k, v in out["config"].items() if k != "_wandb"}  # fmt: skip
+                     for k, v in out["config"].items() if k != "_wandb"}
     return out
 
 

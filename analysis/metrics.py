@@ -111,7 +111,7 @@ def loss_curves(runs: pd.DataFrame, steps: pd.DataFrame, window: int = 5) -> pd.
             "source": source, "option": run["option"], "setting": run["setting"], "world_size": run["world_size"],
             "step": g["step"].to_numpy(), "time": g["t_step"].cumsum().to_numpy(), "loss": g["loss"].to_numpy(),
             "smoothed": g["loss"].rolling(window, min_periods=1).mean().to_numpy(),
-        }))  # fmt: skip
+        }))
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 

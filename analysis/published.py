@@ -52,4 +52,4 @@ def horovod_section(table: pd.DataFrame) -> str:
         "Efficiency against one GPU without communication (the 'common n=1' column of the scaling table), "
         "predicted per synchronizer, beside the published point for that model (analysis/published.py cites them).",
         "", markdown_table(frame, columns), "",
-    ])  # fmt: skip
+    ])

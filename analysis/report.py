@@ -13,13 +13,13 @@ SCALING_COLUMNS = {
     "option": "sync", "setting": "setting", "world_size": "n", "repeats": "repeats", "throughput": "samples/s", "throughput_std": "± std",
     "speedup": "speed-up", "efficiency": "efficiency", "efficiency_common": "efficiency (common n=1)",
     "marginal_speedup": "marginal speed-up", "imbalance": "imbalance", "idle_fraction": "idle",
-}  # fmt: skip
+}
 
 
 def write_report(
     out: Path, sources: list[str], runs: pd.DataFrame, table: pd.DataFrame, figures: list[Path],
     breakdown: pd.DataFrame, target_loss: float, sections: Sequence[str] = (),
-) -> Path:  # fmt: skip
+) -> Path:
     failed = runs[runs["status"] != "ok"]
     parts = [
         "# Report",
@@ -45,7 +45,7 @@ def write_report(
             f"## Time to a target loss ({target_loss:.4g}, rank 0's loss averaged over 5 steps)",
             "",
             markdown_table(ok, {"option": "sync", "setting": "setting", "world_size": "n", "seed": "seed",
-                                "time_to_target": "seconds", "final_loss": "final loss"}),  # fmt: skip
+                                "time_to_target": "seconds", "final_loss": "final loss"}),
             "",
         ]
     parts += [s for s in sections if s]

@@ -36,7 +36,7 @@ def errors(frame: pd.DataFrame) -> pd.DataFrame:
         single = [(p, m) for p, m in zip(g["predicted_single"], g["measured"]) if p == p]
         out.append({"option": option, "points": len(g), "gm_error": 100 * geometric_error(pairs),
                     "worst": 100 * max(abs(p / m - 1) for p, m in pairs),
-                    "gm_single": 100 * geometric_error(single) if single else float("nan")})  # fmt: skip
+                    "gm_single": 100 * geometric_error(single) if single else float("nan")})
     return pd.DataFrame(out)
 
 
@@ -51,7 +51,7 @@ def draw(frame: pd.DataFrame, out: Path) -> list[Path]:
     ax.plot(line, line, "k-", lw=0.8, label="y = x")
     ax.fill_between(line, 0.9 * line, 1.1 * line, color="k", alpha=0.1, label="±10 %")
     ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="measured step time (ms)",
-           ylabel="predicted step time (ms)", title="Simulator validation")  # fmt: skip
+           ylabel="predicted step time (ms)", title="Simulator validation")
     ticks = [t for t in (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000) if lo <= t <= hi]
     for axis in (ax.xaxis, ax.yaxis):  # plain milliseconds, no labels on minor ticks
         axis.set_ticks(ticks, [str(t) for t in ticks])
@@ -100,18 +100,18 @@ def report_section(rows: list[dict[str, Any]]) -> str:
              "Predicted from each run's config and the calibration's link fits, with the compute of the run's own step "
              "log (figure 9; what extrapolation relies on), and with the compute of a single-worker run of the same "
              "setting slowed by ranks sharing the cores (adds this machine's contention). Runs without communication "
-             "are listed but not scored.", ""]  # fmt: skip
+             "are listed but not scored.", ""]
     if not ok.empty:
         parts += [markdown_table(errors(ok), {"option": "sync", "points": "points", "gm_error": "GM error %",
                                               "worst": "worst error %",
-                                              "gm_single": "GM error % (single-worker compute)"}), ""]  # fmt: skip
+                                              "gm_single": "GM error % (single-worker compute)"}), ""]
     frame = frame.assign(measured_ms=1e3 * frame["measured"], predicted_ms=1e3 * frame["predicted"],
-                         single_ms=1e3 * frame["predicted_single"])  # fmt: skip
+                         single_ms=1e3 * frame["predicted_single"])
     frame["error"] = 100 * (frame["predicted"] / frame["measured"] - 1)
     parts += [markdown_table(frame.sort_values(["option", "setting", "world_size"]),
                              {"option": "sync", "setting": "setting", "world_size": "n", "measured_ms": "measured ms",
                               "predicted_ms": "predicted ms", "error": "error %",
-                              "single_ms": "predicted ms (single-worker compute)", "note": "note"}), ""]  # fmt: skip
+                              "single_ms": "predicted ms (single-worker compute)", "note": "note"}), ""]
     return "\n".join(parts)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import hydra
 from omegaconf import DictConfig
@@ -19,7 +19,7 @@ from testbed.preflight import check_command_line
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
-def main(cfg: DictConfig) -> Optional[dict[str, Any]]:
+def main(cfg: DictConfig) -> dict[str, Any] | None:
     return run_job(cfg)
 
 

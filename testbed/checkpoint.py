@@ -20,7 +20,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from testbed.results.step_log import metrics_path, read_step_log
 DIR, LATEST = "checkpoints", "latest"
 # Config that may differ between a run and its resumption: how it runs, not what it computes.
 RUN_ONLY = ("steps", "warmup_steps", "checkpoint", "resume", "fault", "timeouts", "launcher", "wandb", "debug",
-            "log_every", "sim")  # fmt: skip
+            "log_every", "sim")
 RUN_ONLY_SYNC = ("addresses", "host", "tls_cert", "tls_key", "tls_ca")  # where the servers run, and how they are reached
 
 
@@ -38,7 +38,7 @@ def step_dir(job_dir: Path, step: int) -> Path:
     return job_dir / DIR / f"step{step:07d}"
 
 
-def latest(job_dir: Path) -> Optional[Path]:
+def latest(job_dir: Path) -> Path | None:
     """The newest complete checkpoint of ``job_dir`` (None if there is none)."""
     pointer = job_dir / DIR / LATEST
     if not pointer.exists():

@@ -13,7 +13,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from hydra.core.config_store import ConfigStore
@@ -81,7 +81,7 @@ class ResNetConfig:
 
     name: str = "resnet50"
     width: int = 64  # base width (torchvision: 64); stage i has width * 2**i channels (x4 in bottlenecks)
-    layers: Optional[list[int]] = None  # blocks per stage; null: the depth's own ([3, 4, 6, 3] for 50)
+    layers: list[int] | None = None  # blocks per stage; null: the depth's own ([3, 4, 6, 3] for 50)
 
 
 @dataclass
@@ -135,8 +135,8 @@ class DataConfig:
     vocab_size: int = 256  # language-model data (tokens: the tokenizer's vocabulary)
     seq_len: int = 64
     image_size: int = 224  # image_folder, synthetic_images: inputs are 3 x image_size x image_size
-    root: Optional[str] = None  # image_folder: one folder per class (the ImageNet layout)
-    path: Optional[str] = None  # tokens: a flat binary token file (nanoGPT's train.bin)
+    root: str | None = None  # image_folder: one folder per class (the ImageNet layout)
+    path: str | None = None  # tokens: a flat binary token file (nanoGPT's train.bin)
     dtype: str = "uint16"  # tokens: uint16 | uint32
     # The input pipeline of file data sets (torch.utils.data.DataLoader, testbed.data.loader).
     num_workers: int = 0  # decoding processes per rank; 0: in the rank's own process
@@ -178,8 +178,8 @@ class JitterConfig:
     name: str = "jitter"
     distribution: str = "lognormal"  # normal | lognormal | exponential
     mean_ms: float = 5.0  # of the extra time per rank and step
-    std_ms: Optional[float] = 5.0  # normal, lognormal; exponential has std = mean (leave null)
-    ranks: Optional[list[int]] = None  # null: every rank
+    std_ms: float | None = 5.0  # normal, lognormal; exponential has std = mean (leave null)
+    ranks: list[int] | None = None  # null: every rank
 
 
 @dataclass
@@ -214,21 +214,21 @@ class NoFaultConfig:
 class KillRankConfig:
     name: str = "kill_rank"
     rank: int = 1
-    step: Optional[int] = None  # SIGKILL: no chance to flush or say goodbye
+    step: int | None = None  # SIGKILL: no chance to flush or say goodbye
 
 
 @dataclass
 class KillPsConfig:
     name: str = "kill_ps"
     shard: int = 0
-    step: Optional[int] = None  # rank 0 SIGKILLs the shard's server process
+    step: int | None = None  # rank 0 SIGKILLs the shard's server process
 
 
 @dataclass
 class LinkDownConfig:
     name: str = "link_down"
     rank: int = 1
-    step: Optional[int] = None
+    step: int | None = None
     duration_s: float = 60.0  # the rank's emulated link is down this long, then up again
 
 
@@ -236,7 +236,7 @@ class LinkDownConfig:
 class NanLossConfig:
     name: str = "nan_loss"  # not "nan": the override parser reads fault=nan as a float
     rank: int = 0
-    step: Optional[int] = None  # the rank's loss becomes NaN, and so do the gradients it shares
+    step: int | None = None  # the rank's loss becomes NaN, and so do the gradients it shares
 
 
 # --- network group (testbed.netem) -------------------------------------------------------------
@@ -274,8 +274,8 @@ WANDB_MODES = ("disabled", "offline", "online")
 class WandbConfig:
     mode: str = "disabled"  # disabled | offline (written under the job dir, synced later) | online
     project: str = "testbed"
-    entity: Optional[str] = None
-    group: Optional[str] = None  # null: the sweep's directory (a single run: its own directory)
+    entity: str | None = None
+    group: str | None = None  # null: the sweep's directory (a single run: its own directory)
     tags: list[str] = field(default_factory=list)
     init_timeout_s: float = 60.0  # an unreachable server costs at most this, once
 
@@ -298,17 +298,17 @@ class SimConfig:
     """How ``python -m testbed.sim`` predicts a run of this config (real runs ignore it)."""
 
     # Link fits from `python -m testbed.sim.calibrate`; null: a nominal link of `bandwidth` and `alpha_us`.
-    calibration: Optional[str] = None
-    link: Optional[str] = None  # the calibration's link; null: network.bandwidth when emulated, else loopback
-    bandwidth: Optional[str] = None  # nominal rate (e.g. 25gbit); null: network.bandwidth when emulated
+    calibration: str | None = None
+    link: str | None = None  # the calibration's link; null: network.bandwidth when emulated, else loopback
+    bandwidth: str | None = None  # nominal rate (e.g. 25gbit); null: network.bandwidth when emulated
     alpha_us: float = 50.0  # nominal per-message latency
     # Compute: the step log of a world_size 1 run of the same model and batch, or explicit times.
-    compute_from: Optional[str] = None
-    compute_ms_per_sample: Optional[float] = None  # forward + backward
+    compute_from: str | None = None
+    compute_ms_per_sample: float | None = None  # forward + backward
     backward_share: float = 0.67  # of forward + backward (without compute_from)
     optimizer_ms: float = 0.0
-    gradient_mb: Optional[float] = None  # a model the testbed does not build (paper-scale presets)
-    cores: Optional[int] = None  # ranks share this many cores (one machine); null: each has its own
+    gradient_mb: float | None = None  # a model the testbed does not build (paper-scale presets)
+    cores: int | None = None  # ranks share this many cores (one machine); null: each has its own
     tensors: int = 100  # with gradient_mb: tensors the gradient is split into, for buckets
 
 
@@ -335,14 +335,14 @@ class Config:
     buffers: str = "broadcast"
     sync_bn: bool = False  # CUDA: BatchNorm over the global batch (torch's SyncBatchNorm)
     # Peak FLOP/s of one device for MFU (language models); null: known CUDA devices, none on CPU.
-    peak_tflops: Optional[float] = None
+    peak_tflops: float | None = None
     log_every: int = 0  # progress line on rank 0 every n steps; 0: about ten lines per run
     # torch.distributed's own diagnostics: TORCH_DISTRIBUTED_DEBUG=DETAIL (collective checks and
     # desync reports), C++ logs at INFO, NCCL_DEBUG=INFO and NCCL's desync debug.
     debug: bool = False
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    resume: Optional[str] = None  # a job directory whose latest checkpoint this run continues
+    resume: str | None = None  # a job directory whose latest checkpoint this run continues
     wandb: WandbConfig = field(default_factory=WandbConfig)
     sim: SimConfig = field(default_factory=SimConfig)
 
@@ -416,7 +416,7 @@ def _help() -> dict[str, str]:
 
 # --- semantic checks --------------------------------------------------------------------------
 
-def validate(cfg: DictConfig, local_world_size: Optional[int] = None, simulated: bool = False) -> None:
+def validate(cfg: DictConfig, local_world_size: int | None = None, simulated: bool = False) -> None:
     """Raise ConfigError for a config that cannot run; called before any rank is spawned.
 
     ``local_world_size`` is the number of ranks on this machine (world_size when we spawn them);
@@ -425,7 +425,7 @@ def validate(cfg: DictConfig, local_world_size: Optional[int] = None, simulated:
     require(simulated or cfg.sim.gradient_mb is None,
              f"sim.gradient_mb={cfg.sim.gradient_mb} stands for a model the testbed does not build (a simulator-only "
              f"paper_model such as inception_v3?), but this run measures model={cfg.model.name}; predict it with "
-             "python -m testbed.sim, or measure a built model (model=..., or model=custom model.target=...)")  # fmt: skip
+             "python -m testbed.sim, or measure a built model (model=..., or model=custom model.target=...)")
     local = int(cfg.world_size) if local_world_size is None else local_world_size
     for group, options in GROUP_SCHEMAS.items():
         name = cfg[group].name
@@ -498,7 +498,7 @@ def _validate_data(cfg: DictConfig) -> None:
         require(data.num_workers >= 0, f"data.num_workers={data.num_workers}: must be >= 0 (0: load in the rank)")
         require(data.prefetch_factor >= 1, f"data.prefetch_factor={data.prefetch_factor}: must be >= 1")
         require(data.worker_start in WORKER_STARTS,
-                 f"data.worker_start={data.worker_start}: allowed: {'|'.join(WORKER_STARTS)} (fork breaks gRPC channels)")  # fmt: skip
+                 f"data.worker_start={data.worker_start}: allowed: {'|'.join(WORKER_STARTS)} (fork breaks gRPC channels)")
         require(not data.pin_memory or resolved_device(cfg) == "cuda", "data.pin_memory=true is for CUDA; drop it on CPU")
     if data.name == "synthetic_images":
         require(data.num_classes >= 1, f"data.num_classes={data.num_classes}: must be >= 1")
@@ -514,25 +514,25 @@ def _validate_model(cfg: DictConfig) -> None:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     require(not OmegaConf.is_missing(cfg.model, "target") if cfg.model.name == "custom" else True,
-             "model=custom needs model.target=<module.attr> of an nn.Module class or factory (e.g. torch.nn.Linear)")  # fmt: skip
+             "model=custom needs model.target=<module.attr> of an nn.Module class or factory (e.g. torch.nn.Linear)")
     kind = model_kind(cfg.model.name)
     if kind.reads is not None:
         readers = [d for d, reads in DATA_KINDS.items() if reads == kind.reads]
         require(spec.kind == kind.reads,
-                 f"model={cfg.model.name} cannot read data={cfg.data.name}; allowed: data={'|'.join(readers)}")  # fmt: skip
+                 f"model={cfg.model.name} cannot read data={cfg.data.name}; allowed: data={'|'.join(readers)}")
     if kind.language:
         require(cfg.data.seq_len <= cfg.model.get("n_positions", cfg.data.seq_len),
                  f"data.seq_len={cfg.data.seq_len} exceeds model.n_positions={cfg.model.get('n_positions')}; "
-                 "lower data.seq_len or raise model.n_positions")  # fmt: skip
+                 "lower data.seq_len or raise model.n_positions")
         require(cfg.model.d_model % cfg.model.n_head == 0,
-                 f"model.d_model={cfg.model.d_model} does not divide by model.n_head={cfg.model.n_head}")  # fmt: skip
+                 f"model.d_model={cfg.model.d_model} does not divide by model.n_head={cfg.model.n_head}")
     if cfg.model.name == "bert":
         require(0 < cfg.model.mask_prob < 1, f"model.mask_prob={cfg.model.mask_prob}: must be in (0, 1)")
         require(0 <= cfg.model.mask_token < cfg.data.vocab_size,
-                 f"model.mask_token={cfg.model.mask_token} is outside data.vocab_size={cfg.data.vocab_size}")  # fmt: skip
+                 f"model.mask_token={cfg.model.mask_token} is outside data.vocab_size={cfg.data.vocab_size}")
     require(cfg.buffers in BUFFER_POLICIES, f"buffers={cfg.buffers}: allowed: {'|'.join(BUFFER_POLICIES)}")
     require(not cfg.sync_bn or resolved_device(cfg) == "cuda",
-             "sync_bn=true: torch's SyncBatchNorm runs on CUDA only; use buffers=broadcast|average on CPU")  # fmt: skip
+             "sync_bn=true: torch's SyncBatchNorm runs on CUDA only; use buffers=broadcast|average on CPU")
     require(cfg.peak_tflops is None or cfg.peak_tflops > 0, f"peak_tflops={cfg.peak_tflops}: must be > 0 or null")
     try:
         check_fits(cfg.model, spec)

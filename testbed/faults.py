@@ -14,7 +14,7 @@ import random
 import signal
 import subprocess
 import threading
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -26,7 +26,7 @@ class NonFiniteLoss(FloatingPointError):
     """A rank's loss is NaN or infinite: training on would spread it to every replica."""
 
 
-def fault_step(cfg: Any, seed: int, steps: int) -> Optional[int]:
+def fault_step(cfg: Any, seed: int, steps: int) -> int | None:
     """The step at which ``cfg`` strikes (None for no fault)."""
     if cfg.name == "none":
         return None

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Optional
 
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -23,7 +22,7 @@ from testbed.launch.existing import surrounding_world
 from testbed.paths import config_dir
 
 _SKIP_FLAGS = ("-cp", "-cn", "-cd", "--config-path", "--config-name", "--config-dir", "--help", "-h",
-               "--hydra-help", "--cfg", "-c", "--info", "-i", "--shell-completion", "-sc")  # fmt: skip
+               "--hydra-help", "--cfg", "-c", "--info", "-i", "--shell-completion", "-sc")
 
 
 def sweep_points(overrides: list[str]) -> list[list[str]]:
@@ -78,7 +77,7 @@ def describe_composition_error(exc: BaseException) -> str:
         options = _options(group)
         if options:
             return f"{group}={name}: unknown option; allowed: {'|'.join(options)}"
-    inner: Optional[BaseException] = exc
+    inner: BaseException | None = exc
     while inner is not None and not isinstance(inner, OmegaConfBaseException):
         inner = inner.__cause__ or inner.__context__
     if isinstance(inner, OmegaConfBaseException) and getattr(inner, "full_key", None):

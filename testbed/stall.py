@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch.distributed as dist
 
@@ -44,7 +44,7 @@ class StallError(RuntimeError):
         (log_dir / STALL_FILE).write_text(json.dumps(facts))
 
 
-def read_stall(log_dir: Path) -> Optional[dict[str, Any]]:
+def read_stall(log_dir: Path) -> dict[str, Any] | None:
     path = log_dir / STALL_FILE
     return json.loads(path.read_text()) if path.exists() else None
 
@@ -66,7 +66,7 @@ class Arrivals:
             self._arrived = step
             self._wake.notify()
 
-    def stall(self, step: int, waited_s: float, cause: BaseException) -> Optional[StallError]:
+    def stall(self, step: int, waited_s: float, cause: BaseException) -> StallError | None:
         """The stall behind a synchronization that failed after ``waited_s``, if it was one."""
         if waited_s < STALL_AFTER_S:
             return None
@@ -79,7 +79,7 @@ class Arrivals:
         posts = self._read_all()
         now = time.time()
         missing = [r for r in range(self.world_size)
-                   if r not in posts or posts[r][0] < step or now - posts[r][1] > SILENT_S]  # fmt: skip
+                   if r not in posts or posts[r][0] < step or now - posts[r][1] > SILENT_S]
         return missing, {r: arrived for r, (arrived, _) in posts.items()}
 
     def close(self) -> None:
@@ -123,7 +123,7 @@ class Arrivals:
         front = max(arrived.values(), default=-1)
         now, wall = time.monotonic(), time.time()
         behind = [r for r in range(self.world_size)
-                  if arrived.get(r, -1) < front or r in posts and wall - posts[r][1] > SILENT_S]  # fmt: skip
+                  if arrived.get(r, -1) < front or r in posts and wall - posts[r][1] > SILENT_S]
         for r in list(since):
             if r not in behind:
                 del since[r]
@@ -131,5 +131,5 @@ class Arrivals:
             started = since.setdefault(r, now)
             if now - started >= self.warn_after_s:
                 log.warning("stall: rank %d has not arrived at step %d, or is silent, for %.0f s (last at step %d)",
-                            r, front, now - started, arrived.get(r, -1))  # fmt: skip
+                            r, front, now - started, arrived.get(r, -1))
                 since[r] = now  # once per interval, not every check

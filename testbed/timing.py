@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -143,7 +143,7 @@ def compute_time(record: dict[str, Any]) -> float:
     return real_compute_time(record) + record.get("t_injected", 0.0)
 
 
-def percentile(values: list[float], q: float) -> Optional[float]:
+def percentile(values: list[float], q: float) -> float | None:
     """Linear-interpolated percentile, q in [0, 100]; None for no values."""
     if not values:
         return None

@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +20,8 @@ from testbed.buffers import BufferSync
 from testbed.data import BatchSource
 from testbed.faults import FaultInjector, NonFiniteLoss
 from testbed.imbalance import Injector
-from testbed.stall import Arrivals
 from testbed.results.step_log import StepLog
+from testbed.stall import Arrivals
 from testbed.sync import Synchronizer
 from testbed.sync.base import SyncReport
 from testbed.timing import StepClock, real_compute_time
@@ -173,4 +174,4 @@ class Trainer:
         log.info(
             "[%-20s] step %d/%d  loss %.4f  step %.1f ms  sync %.1f ms  elapsed %.1fs  eta %.1fs",
             bar, done, self.steps, record["loss"], 1e3 * record["t_step"], 1e3 * record["t_sync"], elapsed, eta,
-        )  # fmt: skip
+        )

@@ -50,7 +50,7 @@ def env_rank_layout() -> tuple[int, int, int, int]:
 # `debug=true`: torch.distributed checks every collective's shapes across ranks and reports
 # desynchronized ranks (DETAIL), logs its C++ side, and NCCL explains itself.
 DEBUG_ENV = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "TORCH_CPP_LOG_LEVEL": "INFO", "NCCL_DEBUG": "INFO",
-             "TORCH_NCCL_DESYNC_DEBUG": "1"}  # fmt: skip
+             "TORCH_NCCL_DESYNC_DEBUG": "1"}
 
 
 def init_world(device_kind: str, backend: str, timeout_s: float, debug: bool = False) -> World:

@@ -26,7 +26,7 @@ def accumulated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     # k = 4 micro-steps of 6 samples on each of 2 ranks = one step on a batch of 48.
     ref = run(tmp, "ref", ["sync=none", "world_size=1", "data.batch_size=48"])
     sweep = run(tmp, "sweep", ["sync=allreduce,ring,tree,ps,ddp", "sync.accumulate=4", "world_size=2",
-                               "data.scaling=strong", "data.batch_size=12"], sweep=True)  # fmt: skip
+                               "data.scaling=strong", "data.batch_size=12"], sweep=True)
     return ref, sweep
 
 

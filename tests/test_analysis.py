@@ -20,7 +20,7 @@ def sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = root / "sweep"
     # Two repeats (seeds) of allreduce and ring at 1 and 2 workers: error bars and baselines.
     proc = run_cli(["-m", "sync=allreduce,ring", "world_size=1,2", "seed=0,1", "steps=8", "warmup_steps=2",
-                    "launcher.echo_rank0=false", f"hydra.sweep.dir={out}"], cwd=root, timeout=600)  # fmt: skip
+                    "launcher.echo_rank0=false", f"hydra.sweep.dir={out}"], cwd=root, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -38,7 +38,7 @@ def throughput_by_hand(job: Path) -> float:
 def test_report_efficiency_matches_the_jsonl(sweep: Path) -> None:
     out = sweep / "figures"
     proc = subprocess.run([sys.executable, "-m", "analysis", str(sweep), "--out", str(out)],
-                          capture_output=True, text=True, env=cli_env(), timeout=300)  # fmt: skip
+                          capture_output=True, text=True, env=cli_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name in ("scaling", "diminishing_returns", "breakdown", "loss_vs_time"):
         for suffix in (".png", ".pdf"):
@@ -94,13 +94,13 @@ def test_the_demo_preset_runs_end_to_end_and_draws_its_figure(tmp_path: Path) ->
     # make demo's sweep (every synchronizer, parameter server included, at 1, 2 and 4 workers), shortened.
     sweep = tmp_path / "compare"
     proc = run_cli(["+experiment=compare", "steps=10", "warmup_steps=2", "launcher.echo_rank0=false",
-                    f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=900)  # fmt: skip
+                    f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[sweep 15/15]" in proc.stdout  # the sweep's progress line
     summaries = [read_json(p) for p in sweep.glob("*/summary.json")]
     assert len(summaries) == 15 and all(s["status"] == "ok" for s in summaries)
     proc = subprocess.run([sys.executable, "-m", "analysis", str(sweep)], capture_output=True, text=True,
-                          env=cli_env(), timeout=300)  # fmt: skip
+                          env=cli_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (sweep / "analysis" / "scaling.png").exists() and (sweep / "analysis" / "scaling.pdf").exists()
     rows = [line for line in (sweep / "analysis" / "report.md").read_text().splitlines() if " | 4 | " in line]

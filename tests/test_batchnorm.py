@@ -23,7 +23,7 @@ from testbed.optim import build_optimizer
 N, PER_RANK, STEPS, SEED = 3, 8, 4, 0
 MODEL = ["model=resnet18", "model.width=4", "model.layers=[1,1,1,1]", "data.shape=[3,32,32]"]
 COMMON = [*MODEL, f"steps={STEPS}", "warmup_steps=1", "data.scaling=strong", f"data.batch_size={N * PER_RANK}",
-          "data.num_samples=96", f"world_size={N}", "launcher.echo_rank0=false", "optim.momentum=0.9", "optim.lr=0.01"]  # fmt: skip
+          "data.num_samples=96", f"world_size={N}", "launcher.echo_rank0=false", "optim.momentum=0.9", "optim.lr=0.01"]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def reference(policy: str) -> dict[str, torch.Tensor]:
     from rank 0's shard (broadcast) or averaged over the shards (average)."""
     cfg = OmegaConf.create({"model": {"name": "resnet18", "width": 4, "layers": [1, 1, 1, 1]},
                             "data": {"name": "synthetic", "num_samples": 96, "shape": [3, 32, 32], "num_classes": 10},
-                            "optim": {"name": "sgd", "lr": 0.01, "momentum": 0.9, "weight_decay": 0.0, "nesterov": False}})  # fmt: skip
+                            "optim": {"name": "sgd", "lr": 0.01, "momentum": 0.9, "weight_decay": 0.0, "nesterov": False}})
     shards = [build_data(cfg.data, [PER_RANK] * N, r, SEED)[1] for r in range(N)]
     torch.manual_seed(SEED)
     model = build_model(cfg.model, build_data(cfg.data, [PER_RANK], 0, SEED)[0])

@@ -12,7 +12,7 @@ FIELDS = {"impl", "world_size", "bytes", "time_s", "algbw", "busbw", "correct"}
 def test_benchmark_records_and_table(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = run_cli(["--world-sizes", "2,3", "--sizes", "4K,256K,1M", "--iters", "2", "--out", str(out)],
-                   cwd=tmp_path, module="testbed.bench")  # fmt: skip
+                   cwd=tmp_path, module="testbed.bench")
     assert proc.returncode == 0, proc.stderr[-2000:]
     records = read_json(out)
     impls = ("native", "ring", "tree", "halving_doubling")

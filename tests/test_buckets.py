@@ -9,7 +9,7 @@ from conftest import load_params, read_json, read_jsonl, relative_error, run_cli
 
 TOL = 1e-5
 SMALL = ["data.num_samples=200", "data.shape=[24]", "model.hidden=32", "model.depth=3", "steps=4", "warmup_steps=1",
-         "launcher.echo_rank0=false", "data.scaling=strong"]  # fmt: skip
+         "launcher.echo_rank0=false", "data.scaling=strong"]
 TENSORS = 8  # depth 3: four linear layers, weight and bias each
 
 
@@ -28,7 +28,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         # The parameter server's analogue: three shards, each pushed as soon as backward completed it.
         "ps": ["-m", "sync=ps", "sync.servers=3", "sync.overlap=true,false", "sync.accumulate=1,2", "world_size=2",
                "data.batch_size=12"],
-    }  # fmt: skip
+    }
     for name, args in commands.items():
         key = "hydra.sweep.dir" if "-m" in args else "hydra.run.dir"
         proc = run_cli([*args, *SMALL, f"{key}={out[name]}"], cwd=tmp, timeout=900)

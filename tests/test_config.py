@@ -38,7 +38,7 @@ def test_every_option_composes_and_validates(group: str, option: str, tmp_path: 
                          "+model.kwargs.out_features=10"],
         "fault=kill_rank": ["world_size=2"], "fault=kill_ps": ["sync=ps"],
         "fault=link_down": ["world_size=2", "network=emulated"],
-    }.get(f"{group}={option}", [])  # fmt: skip
+    }.get(f"{group}={option}", [])
     cfg = composed([f"{group}={option}", *extra])
     # A variant (ps_async) is its schema's option (ps) with other defaults, named <option>_<what>.
     assert cfg[group].name == option or option.startswith(f"{cfg[group].name}_")
@@ -131,7 +131,7 @@ def test_every_preset_composes_and_validates_every_point(preset: str, tmp_path: 
     assert text.startswith("# @package _global_")
     if f"python -m testbed.sim +experiment={preset}" in text:  # simulated: every point is predicted, in seconds
         proc = run_cli([f"+experiment={preset}", "steps=4", "warmup_steps=1", f"hydra.sweep.dir={tmp_path}"],
-                       cwd=tmp_path, module="testbed.sim")  # fmt: skip
+                       cwd=tmp_path, module="testbed.sim")
         assert proc.returncode == 0, proc.stderr[-2000:]
         return
     assert f"python -m testbed +experiment={preset}" in text

@@ -33,7 +33,7 @@ def test_cuda_run_with_nccl_matches_cpu(tmp_path: Path) -> None:
 def test_bf16_autocast_trains(tmp_path: Path, model: list[str]) -> None:
     out = tmp_path / "job"
     proc = run_cli(["device=cuda", "precision=bf16", *model, "steps=30", "warmup_steps=5", f"hydra.run.dir={out}"],
-                   cwd=tmp_path)  # fmt: skip
+                   cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = read_json(out / "summary.json")
     assert summary["status"] == "ok" and summary["final_loss"] < summary["loss_first"]

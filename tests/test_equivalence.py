@@ -18,7 +18,7 @@ TOL = 1e-5
 COMMON = [
     "steps=6", "warmup_steps=1", "data.scaling=strong", "data.batch_size=60", "data.num_samples=120",
     "data.shape=[24]", "model.hidden=32", "launcher.echo_rank0=false",
-]  # fmt: skip
+]
 
 
 def job_dirs(sweep: Path) -> dict[str, Path]:
@@ -95,7 +95,7 @@ def test_traffic_accounting(sweeps: dict[str, Path]) -> None:
         ["model=cnn", "data.shape=[3,8,8]", "model.width=4", "sync=ring"],
         ["model=transformer", "data=lm", "data.seq_len=8", "data.vocab_size=32", "model.d_model=16",
          "model.n_head=2", "sync=tree", "sync.chunk_kb=4"],
-    ],  # fmt: skip
+    ],
     ids=["cnn-ring", "transformer-tree"],
 )
 def test_other_models_match_single_process(tmp_path: Path, model_args: list[str]) -> None:

@@ -55,7 +55,7 @@ def test_a_killed_rank_is_named_and_the_sweep_goes_on(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     # The fault's step is drawn from the seed: seed 3 puts it at fault_step(..., 3, 12).
     proc = run_cli(["-m", "world_size=2", "fault=kill_rank,none", "seed=3", *QUICK, f"hydra.sweep.dir={sweep}"],
-                   cwd=tmp_path)  # fmt: skip
+                   cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     killed, healthy = (read_json(next(sweep.glob(f"{i}_*")) / "summary.json") for i in (0, 1))
     assert healthy["status"] == "ok"
@@ -80,7 +80,7 @@ def test_a_nan_loss_stops_the_run_at_its_step(tmp_path: Path) -> None:
 
 def test_a_killed_parameter_server_is_reported(tmp_path: Path) -> None:
     summary, job, _ = failed_job(tmp_path, ["world_size=2", "sync=ps", "sync.servers=2", "fault=kill_ps", "fault.shard=1",
-                                            "fault.step=5"])  # fmt: skip
+                                            "fault.step=5"])
     error = summary["error"]
     assert error["kind"] == "parameter_server" and "ps shard 1" in error["message"], error
     assert error["step"] in (4, 5)  # the peer may still be pulling step 4 when rank 0 kills the shard
@@ -91,7 +91,7 @@ def test_a_stalled_rank_is_named_within_the_timeout(tmp_path: Path) -> None:
     # Rank 1 sleeps a minute before every forward pass; its peers give up after 8 s.
     summary, job, elapsed = failed_job(tmp_path, ["world_size=3", "imbalance=straggler", "imbalance.ranks=[1]",
                                                   "imbalance.slowdown=0", "imbalance.delay_ms=60000",
-                                                  "timeouts.collective_s=8"])  # fmt: skip
+                                                  "timeouts.collective_s=8"])
     error = summary["error"]
     assert error["kind"] == "stall" and error["rank"] == 1 and error["missing"] == [1], error
     assert error["reporter"] in (0, 2) and "did not arrive" in error["message"]
@@ -102,7 +102,7 @@ def test_a_stalled_rank_is_named_within_the_timeout(tmp_path: Path) -> None:
 @needs_root
 def test_a_link_taken_down_names_its_rank(tmp_path: Path) -> None:
     summary, job, elapsed = failed_job(tmp_path, ["world_size=2", "network=emulated", "fault=link_down", "fault.rank=1",
-                                                  "fault.step=4", "fault.duration_s=120", "timeouts.collective_s=10"])  # fmt: skip
+                                                  "fault.step=4", "fault.duration_s=120", "timeouts.collective_s=10"])
     error = summary["error"]
     assert error["kind"] == "stall" and error["missing"] == [1] and error["reporter"] == 0, error
     assert elapsed < 10 + 40
@@ -113,7 +113,7 @@ def test_a_link_taken_down_names_its_rank(tmp_path: Path) -> None:
 def test_a_short_link_outage_is_survived(tmp_path: Path) -> None:
     job = tmp_path / "job"
     proc = run_cli(["world_size=2", "network=emulated", "fault=link_down", "fault.rank=1", "fault.step=4",
-                    "fault.duration_s=2", "timeouts.collective_s=30", *QUICK, f"hydra.run.dir={job}"], cwd=tmp_path)  # fmt: skip
+                    "fault.duration_s=2", "timeouts.collective_s=30", *QUICK, f"hydra.run.dir={job}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = read_json(job / "summary.json")
     assert summary["status"] == "ok" and summary["replicas_identical"]
@@ -124,7 +124,7 @@ def test_a_short_link_outage_is_survived(tmp_path: Path) -> None:
 def test_debug_turns_on_torch_distributed_diagnostics(tmp_path: Path) -> None:
     job = tmp_path / "job"
     proc = run_cli(["world_size=2", "debug=true", "steps=3", "warmup_steps=1", "launcher.echo_rank0=false",
-                    f"hydra.run.dir={job}"], cwd=tmp_path)  # fmt: skip
+                    f"hydra.run.dir={job}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (stderr,) = job.glob("logs/*/attempt_0/0/stderr.log")
     assert "CollectiveFingerPrint" in stderr.read_text()  # TORCH_DISTRIBUTED_DEBUG=DETAIL checks every collective

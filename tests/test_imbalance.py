@@ -60,7 +60,7 @@ def uneven_cfg(n: int, batch: int, **imbalance: object) -> OmegaConf:
     return OmegaConf.create({
         "world_size": n, "data": {"batch_size": batch, "scaling": "weak"},
         "imbalance": {"name": "uneven", "skew": 2.0, "shares": [], **imbalance},
-    })  # fmt: skip
+    })
 
 
 def test_uneven_shards_keep_the_global_batch_and_its_samples() -> None:
@@ -80,7 +80,7 @@ def test_uneven_shards_keep_the_global_batch_and_its_samples() -> None:
 COMMON = [
     "steps=6", "warmup_steps=1", "data.scaling=strong", "data.batch_size=12", "data.num_samples=40",
     "data.shape=[24]", "model.hidden=32", "launcher.echo_rank0=false",
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("sync", ["allreduce", "ps"])
@@ -88,7 +88,7 @@ def test_uneven_shards_train_the_single_process_model(tmp_path: Path, sync: str)
     ref, job = tmp_path / "ref", tmp_path / "job"
     assert run_cli(["sync=none", *COMMON, f"hydra.run.dir={ref}"], cwd=tmp_path).returncode == 0
     proc = run_cli([f"sync={sync}", "world_size=3", "imbalance=uneven", "imbalance.skew=3", *COMMON,
-                    f"hydra.run.dir={job}"], cwd=tmp_path)  # fmt: skip
+                    f"hydra.run.dir={job}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     samples = [read_jsonl(job / "metrics" / f"rank{r}.jsonl")[0]["samples"] for r in range(3)]
     assert sum(samples) == 12 and samples[0] < samples[2]
@@ -100,7 +100,7 @@ def test_uneven_shards_train_the_single_process_model(tmp_path: Path, sync: str)
 # the scheduling noise, and the transfer a straggler can hide (peers send eagerly into its socket
 # buffers while it is late) is small.
 SLOW = ["model.hidden=256", "data.shape=[512]", "data.batch_size=1024", "data.num_samples=2048",
-        "steps=30", "warmup_steps=5", "launcher.echo_rank0=false", "threads_per_rank=1"]  # fmt: skip
+        "steps=30", "warmup_steps=5", "launcher.echo_rank0=false", "threads_per_rank=1"]
 
 
 def run(tmp_path: Path, name: str, *args: str) -> dict:

@@ -15,7 +15,7 @@ from conftest import cli_env, read_json, read_jsonl
 
 def torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           f"--log-dir={cwd / 'torchrun-logs'}", "-m", "testbed", *args]  # fmt: skip
+           f"--log-dir={cwd / 'torchrun-logs'}", "-m", "testbed", *args]
     return subprocess.run(cmd, cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=300)
 
 
@@ -46,7 +46,7 @@ def test_killed_rank_fails_the_run_by_rank_and_keeps_metrics(tmp_path: Path) -> 
         [sys.executable, "-m", "testbed", "world_size=2", "sync=ring", "steps=100000", f"hydra.run.dir={out}",
          "timeouts.collective_s=30"],
         cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    )
     try:
         deadline = time.time() + 120
         metrics = out / "metrics" / "rank1.jsonl"

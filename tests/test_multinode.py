@@ -33,7 +33,7 @@ def two_nodes(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> 
             cwd=cwd, env={**cli_env(), **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for node in (0, 1)
-    ]  # fmt: skip
+    ]
     out = []
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=300)
@@ -59,7 +59,7 @@ def test_two_nodes_share_parameter_servers_started_apart(tmp_path: Path, mode: s
         nodes = two_nodes(["world_size=2", "sync=ps", f"sync.mode={mode}", "sync.servers=2", "optim.momentum=0",
                            f"optim.lr={SGD['lr']}", f"sync.addresses=[{','.join(ps.addresses)}]", "steps=6",
                            "warmup_steps=1", "device=cpu", f"hydra.run.dir={job}"],
-                          tmp_path, env={TOKEN_ENV: ps.token})  # fmt: skip
+                          tmp_path, env={TOKEN_ENV: ps.token})
     for node in nodes:
         assert node.returncode == 0, node.stderr[-3000:]
     summary = read_json(job / "summary.json")

@@ -43,7 +43,7 @@ def test_ring_busbw_is_the_link_rate(tmp_path: Path, rate: str, size: str) -> No
         [sys.executable, "-m", "testbed.bench", "--world-sizes", "2", "--sizes", size, "--impls", "ring,native",
          "--iters", "4", "--bandwidth", rate, "--out", str(out)],
         capture_output=True, text=True, env=cli_env(), timeout=300,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = {r["impl"]: r for r in json.loads(out.read_text())}
     line_rate = parse_rate(rate) / 8  # bytes/s
@@ -59,7 +59,7 @@ def test_ring_busbw_is_the_link_rate(tmp_path: Path, rate: str, size: str) -> No
 def test_ps_is_bound_by_the_server_link(tmp_path: Path) -> None:
     job = tmp_path / "ps"
     proc = run_cli(["sync=ps", "world_size=2", "network=emulated", "network.bandwidth=100mbit", "steps=8",
-                    "warmup_steps=2", f"hydra.run.dir={job}"], cwd=tmp_path)  # fmt: skip
+                    "warmup_steps=2", f"hydra.run.dir={job}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = read_json(job / "summary.json")
     # Per step the server's link carries all n pushes in and all n pulls out (a worker's own link one
@@ -74,7 +74,7 @@ def test_ps_is_bound_by_the_server_link(tmp_path: Path) -> None:
 def test_results_do_not_depend_on_the_network(tmp_path: Path) -> None:
     # Overlapped buckets, accumulation and a straggler, over loopback and over shaped links with latency.
     args = ["sync=allreduce", "sync.overlap=true", "sync.bucket_mb=0.1", "sync.accumulate=2", "world_size=2",
-            "imbalance=straggler", "imbalance.ranks=[1]", "imbalance.delay_ms=5", "steps=6", "warmup_steps=1"]  # fmt: skip
+            "imbalance=straggler", "imbalance.ranks=[1]", "imbalance.delay_ms=5", "steps=6", "warmup_steps=1"]
     emulated = ["network=emulated", "network.bandwidth=200mbit", "network.latency_ms=1"]
     for name, extra in (("loopback", []), ("emulated", emulated)):
         proc = run_cli([*args, *extra, f"hydra.run.dir={tmp_path / name}"], cwd=tmp_path)
@@ -92,7 +92,7 @@ def test_a_failed_run_removes_its_network(tmp_path: Path) -> None:
     job = tmp_path / "timeout"
     proc = run_cli(["world_size=2", "network=emulated", "imbalance=straggler", "imbalance.ranks=[1]",
                     "imbalance.delay_ms=4000", "timeouts.collective_s=1", "steps=3", "warmup_steps=0",
-                    f"hydra.run.dir={job}"], cwd=tmp_path)  # fmt: skip
+                    f"hydra.run.dir={job}"], cwd=tmp_path)
     assert proc.returncode == 1
     assert read_json(job / "summary.json")["status"] == "failed"
 
@@ -102,7 +102,7 @@ def start_long_run(tmp_path: Path, job: Path) -> subprocess.Popen:
         [sys.executable, "-m", "testbed", "world_size=2", "sync=ps", "network=emulated", "steps=100000",
          "device=cpu", f"hydra.run.dir={job}"],
         cwd=tmp_path, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    )
     deadline = time.time() + 120
     metrics = job / "metrics" / "rank1.jsonl"
     while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):

@@ -32,7 +32,7 @@ def test_image_folder_with_loader_workers_and_a_parameter_server(tmp_path: Path)
     forkserver, never a fork), and deliver exactly the batches the rank's own process would."""
     root = image_folder(tmp_path / "images")
     common = [*TINY_CNN, "data=image_folder", f"data.root={root}", "data.image_size=12", "data.batch_size=4",
-              "sync=ps", "world_size=2", "steps=7", "warmup_steps=1", "launcher.echo_rank0=false"]  # fmt: skip
+              "sync=ps", "world_size=2", "steps=7", "warmup_steps=1", "launcher.echo_rank0=false"]
     jobs = {}
     for workers in (0, 2):
         jobs[workers] = tmp_path / f"w{workers}"
@@ -55,7 +55,7 @@ def test_token_file_trains_like_one_process(tmp_path: Path) -> None:
     np.random.default_rng(0).integers(0, 50, 40 * 16 + 1, dtype=np.uint16).tofile(path)
     common = ["model=transformer", "model.d_model=16", "model.n_head=2", "model.n_layer=1", "data=tokens",
               f"data.path={path}", "data.vocab_size=50", "data.seq_len=16", "data.scaling=strong", "data.batch_size=12",
-              "steps=5", "warmup_steps=1", "launcher.echo_rank0=false"]  # fmt: skip
+              "steps=5", "warmup_steps=1", "launcher.echo_rank0=false"]
     for n in (1, 3):
         proc = run_cli([*common, f"world_size={n}", f"hydra.run.dir={tmp_path / str(n)}"], cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -70,7 +70,7 @@ def test_custom_model_by_import_path(tmp_path: Path) -> None:
     """model=custom builds a test module's class by import path, with keyword arguments, on every rank."""
     proc = run_cli(["model=custom", "model.target=custom_models.TwoLayer", "+model.kwargs.hidden=12",
                     "+model.kwargs.in_features=768", "world_size=2", "steps=3", "warmup_steps=1",
-                    f"hydra.run.dir={tmp_path / 'job'}"], cwd=tmp_path, env={"PYTHONPATH": str(REPO / "tests")})  # fmt: skip
+                    f"hydra.run.dir={tmp_path / 'job'}"], cwd=tmp_path, env={"PYTHONPATH": str(REPO / "tests")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = read_json(tmp_path / "job" / "summary.json")
     assert summary["status"] == "ok" and summary["replicas_identical"]

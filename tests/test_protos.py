@@ -14,7 +14,7 @@ GENERATED = ("parameter_server_pb2.py", "parameter_server_pb2.pyi", "parameter_s
 
 def test_generated_code_is_current(tmp_path: Path) -> None:
     proc = subprocess.run(["bash", "scripts/gen_protos.sh", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "PYTHON": sys.executable})  # fmt: skip
+                          env={**os.environ, "PYTHON": sys.executable})
     assert proc.returncode == 0, proc.stderr
     for name in GENERATED:
         fresh = (tmp_path / name).read_text()

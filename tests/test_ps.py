@@ -40,7 +40,7 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         proc = run_cli([*args, *COMMON, f"hydra.run.dir={out[key]}"], cwd=root)
         assert proc.returncode == 0, proc.stderr[-3000:]
     proc = run_cli(["-m", "sync=ps", "sync.mode=sync", "sync.servers=1,2", "world_size=2,3,4", *COMMON,
-                    f"hydra.sweep.dir={out['ps']}"], cwd=root, timeout=600)  # fmt: skip
+                    f"hydra.sweep.dir={out['ps']}"], cwd=root, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
 
@@ -74,7 +74,7 @@ def test_async_and_ssp_train_digits(tmp_path: Path, mode: str) -> None:
     sweep = tmp_path / "sweep"
     proc = run_cli(["-m", "sync=ps", f"sync.mode={mode}", "sync.staleness=2", "world_size=2,4", "data=digits",
                     "model.hidden=64", "optim.lr=0.1", "steps=120", "launcher.echo_rank0=false",
-                    f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=600)  # fmt: skip
+                    f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summaries = [read_json(p) for p in sweep.glob("*/summary.json")]
     assert sorted(s["world_size"] for s in summaries) == [2, 4]
@@ -87,7 +87,7 @@ def test_async_and_ssp_train_digits(tmp_path: Path, mode: str) -> None:
 def test_model_larger_than_grpc_default_message_limit(tmp_path: Path) -> None:
     out = tmp_path / "job"
     proc = run_cli(["sync=ps", "sync.servers=2", "world_size=2", "model.hidden=1024", "steps=4", "warmup_steps=1",
-                    f"hydra.run.dir={out}"], cwd=tmp_path)  # fmt: skip
+                    f"hydra.run.dir={out}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = read_json(out / "summary.json")
     assert summary["status"] == "ok" and summary["gradient_bytes"] > 4 * 2**20
@@ -106,14 +106,14 @@ def test_servers_and_ranks_are_gone_after_a_failed_run(tmp_path: Path) -> None:
         [sys.executable, "-m", "testbed", "sync=ps", "sync.servers=2", "world_size=2", "steps=100000", "device=cpu",
          f"hydra.run.dir={out}", "timeouts.collective_s=30"],
         cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    )
     try:
         metrics = out / "metrics" / "rank1.jsonl"
         deadline = time.time() + 120
         while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
             time.sleep(0.2)
         victim = next(p for log in (out / "logs").glob("*/attempt_0/1/stdout.log")
-                      for p in map(int, re.findall(r"rank 1/2 pid (\d+)", log.read_text())))  # fmt: skip
+                      for p in map(int, re.findall(r"rank 1/2 pid (\d+)", log.read_text())))
         os.kill(victim, signal.SIGKILL)
         proc.communicate(timeout=120)
     finally:

@@ -13,8 +13,8 @@ gives exactly the expected update.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Iterator
 
 import grpc
 import pytest
@@ -53,7 +53,7 @@ READY_CLOCKS = (1, 0)
 KINDS = {
     "Register": "unary_unary", "InitParams": "stream_unary", "Push": "stream_unary", "Pull": "unary_stream",
     "Clock": "unary_unary", "Stats": "unary_unary", "Shutdown": "unary_unary",
-}  # fmt: skip
+}
 UNARY_REQUESTS = {"Register": pb.RegisterRequest, "Pull": pb.PullRequest, "Clock": pb.ClockRequest}
 Request = bytes | list[bytes]
 
@@ -87,7 +87,7 @@ def stream_of(flat: torch.Tensor, worker: int, step: int) -> list[Fields]:
     """The chunks a client sends for ``flat`` (shard 0, FLOAT32)."""
     data = flat.numpy().tobytes()
     return [Fields(worker, 0, offset, length, pb.FLOAT32, step, data[4 * offset : 4 * (offset + length)])
-            for offset, length in chunk_ranges(flat.numel(), 4, FUZZ_CHUNK_BYTES)]  # fmt: skip
+            for offset, length in chunk_ranges(flat.numel(), 4, FUZZ_CHUNK_BYTES)]
 
 
 def encoded(stream: list[Fields]) -> list[bytes]:
@@ -207,7 +207,7 @@ def varint(value: int) -> bytes:
 def random_field(number: int, wire: int, value: int, payload: bytes) -> bytes:
     """One well-formed protobuf field of any number and wire type (known fields in a wrong type too)."""
     body = {0: varint(value), 1: (value % 2**64).to_bytes(8, "little"), 2: varint(len(payload)) + payload,
-            5: (value % 2**32).to_bytes(4, "little")}[wire]  # fmt: skip
+            5: (value % 2**32).to_bytes(4, "little")}[wire]
     return varint(number << 3 | wire) + body
 
 
@@ -248,7 +248,7 @@ def bad_auth(token: str) -> st.SearchStrategy[tuple[tuple[str, str], ...]]:
 
 def counters(stats: pb.StatsReply) -> tuple:
     return (stats.version, list(stats.clocks), list(stats.staleness_histogram), stats.bytes_in, stats.bytes_out,
-            stats.pushes, stats.pulls, stats.apply_seconds)  # fmt: skip
+            stats.pushes, stats.pulls, stats.apply_seconds)
 
 
 @dataclass
@@ -264,10 +264,10 @@ class Live:
         """Send already serialized bytes; the status the call ends with (OK if it is answered)."""
         kind = KINDS[method]
         call = getattr(self.channel, kind)(f"/{SERVICE}/{method}", request_serializer=passthrough,
-                                           response_deserializer=passthrough)  # fmt: skip
+                                           response_deserializer=passthrough)
         try:
             reply = call(iter(request) if kind == "stream_unary" else request, timeout=CALL_TIMEOUT_S,
-                         metadata=auth_metadata(self.ps.token) if metadata is None else metadata)  # fmt: skip
+                         metadata=auth_metadata(self.ps.token) if metadata is None else metadata)
             if kind == "unary_stream":
                 list(reply)
         except grpc.RpcError as err:
@@ -419,7 +419,7 @@ def test_oversized_messages_are_refused(ready: Live) -> None:
     huge = Fields(worker=1, shard=0, offset=0, length=n, dtype=pb.FLOAT32, step=0, data=bytes(4 * n)).encode()
     calls: list[tuple[str, Request]] = [
         ("Push", [huge]), ("Push", [VALID_CHUNKS[0], huge]), ("InitParams", [huge]), ("Register", huge),
-    ]  # fmt: skip
+    ]
     for method, request in calls:
         assert ready.send(method, request) == grpc.StatusCode.RESOURCE_EXHAUSTED, method
     # gRPC refuses the message itself. A stream handler has started by then, and whether it sees a

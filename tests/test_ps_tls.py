@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs o
 def make_authority(where: Path, name: str) -> tuple[Path, Path]:
     key, cert = where / f"{name}-ca.key", where / f"{name}-ca.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", f"/CN={name} CA",
-                    "-keyout", key, "-out", cert], check=True, capture_output=True)  # fmt: skip
+                    "-keyout", key, "-out", cert], check=True, capture_output=True)
     return key, cert
 
 
@@ -32,9 +32,9 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     key, csr, cert, ext = where / "server.key", where / "server.csr", where / "server.pem", where / "san.ext"
     ext.write_text("subjectAltName=IP:127.0.0.1\n")
     subprocess.run(["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=ps", "-keyout", key, "-out", csr],
-                   check=True, capture_output=True)  # fmt: skip
+                   check=True, capture_output=True)
     subprocess.run(["openssl", "x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-days", "1",
-                    "-extfile", ext, "-out", cert], check=True, capture_output=True)  # fmt: skip
+                    "-extfile", ext, "-out", cert], check=True, capture_output=True)
     return {"ca": ca, "cert": cert, "key": key, "stranger": stranger}
 
 
@@ -42,7 +42,7 @@ def test_a_run_over_tls_trains(tmp_path: Path, pki: dict[str, Path]) -> None:
     job = tmp_path / "job"
     proc = run_cli(["world_size=2", "sync=ps", "sync.servers=2", "steps=6", "warmup_steps=1", f"sync.tls_cert={pki['cert']}",
                     f"sync.tls_key={pki['key']}", f"sync.tls_ca={pki['ca']}", "launcher.echo_rank0=false",
-                    f"hydra.run.dir={job}"], cwd=tmp_path)  # fmt: skip
+                    f"hydra.run.dir={job}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = read_json(job / "summary.json")
     assert summary["status"] == "ok" and [s["pushes"] for s in summary["sync_facts"]["server_stats"]] == [12, 12]
@@ -51,7 +51,7 @@ def test_a_run_over_tls_trains(tmp_path: Path, pki: dict[str, Path]) -> None:
 @pytest.mark.parametrize("ca", [None, "stranger"])
 def test_clients_without_the_authority_are_not_served(tmp_path: Path, pki: dict[str, Path], ca: str | None) -> None:
     cfg = {"servers": 1, "mode": "sync", "staleness": 0, "chunk_kb": 1, "host": "127.0.0.1",
-           "tls_cert": str(pki["cert"]), "tls_key": str(pki["key"]), "tls_ca": str(pki["ca"])}  # fmt: skip
+           "tls_cert": str(pki["cert"]), "tls_key": str(pki["key"]), "tls_ca": str(pki["ca"])}
     with LocalServers(cfg, SGD, 1, tmp_path / "logs") as ps:
         trusted = PsClient(ps.addresses, ps.token, 0, timeout_s=10.0, chunk_bytes=1024, tls_ca=str(pki["ca"]))
         assert trusted.stats()[0].pushes == 0  # served over TLS

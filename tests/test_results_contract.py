@@ -17,7 +17,7 @@ SUMMARY_FIELDS = (
     "status", "error", "sync", "world_size", "steps", "global_batch", "throughput", "step_time", "phases",
     "imbalance", "imbalance_p10", "imbalance_p90", "idle_fraction", "per_rank", "slowest_ranks", "bytes_per_step", "final_loss", "peak_rss_bytes", "cuda_peak_bytes",
     "versions", "config_hash", "replicas_identical",
-)  # fmt: skip
+)
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
         ["-m", "sync=none,ring", "world_size=1,2", f"steps={STEPS}", "warmup_steps=2", "model.hidden=32",
          f"hydra.sweep.dir={out}"],
         cwd=root,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, proc.stdout
 

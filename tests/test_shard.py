@@ -28,7 +28,7 @@ def chunks(values: torch.Tensor, worker: int, step: int) -> list[Chunk]:
     """``values`` as the decoded chunks of one stream to shard 0."""
     data = values.numpy().tobytes()
     return [Chunk(worker=worker, shard=0, offset=o, length=min(CHUNK, NUMEL - o), dtype=pb.FLOAT32, step=step,
-                  data=memoryview(data[4 * o : 4 * min(o + CHUNK, NUMEL)])) for o in range(0, NUMEL, CHUNK)]  # fmt: skip
+                  data=memoryview(data[4 * o : 4 * min(o + CHUNK, NUMEL)])) for o in range(0, NUMEL, CHUNK)]
 
 
 def make_shard(mode: str, workers: int = 2, staleness: int = 1) -> Shard:
@@ -107,7 +107,7 @@ BAD_INITS = {
     "truncated": (GOOD_INIT[:1], f"InitParams: got {CHUNK} of {NUMEL} elements"),
     "from worker 1": ([replace(c, worker=1) for c in GOOD_INIT], "chunk refused: worker 1 out of range [0, 1)"),
     "no size": ([replace(c, step=0) for c in GOOD_INIT], "InitParams: need a dtype and the shard size in step"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INITS))
@@ -131,7 +131,7 @@ BAD_PUSHES = {
     "short data": ([GOOD_PUSH[0], replace(GOOD_PUSH[1], data=GOOD_PUSH[1].data[:8]), GOOD_PUSH[2]],
                    f"chunk refused: 8 data bytes for {CHUNK} elements of torch.float32"),
     "future version": ([replace(c, step=3) for c in GOOD_PUSH], "push based on version 3 > 0"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -263,7 +263,7 @@ def test_calibration_models_halving_doubling():
     assert calibrate.model({**rec, "world_size": 1}) is None  # nothing sent
     link = Link(ALPHA, BETA)
     records = [{**rec, "world_size": n, "bytes": m, "time_s": halving_doubling(n, m).time(link)}
-               for n in (1, 2, 3, 4, 6, 8) for m in SIZES]  # fmt: skip
+               for n in (1, 2, 3, 4, 6, 8) for m in SIZES]
     (fit,) = calibrate.fit_records(records, min_bytes=0)
     assert (fit.impl, fit.points) == ("halving_doubling", 5 * len(SIZES))
     assert fit.alpha == pytest.approx(ALPHA, rel=1e-6) and fit.beta == pytest.approx(BETA, rel=1e-6)
@@ -318,7 +318,7 @@ def write_steps(tmp_path, steps: list[dict]) -> None:
 
 def step(i: int, scale: float) -> dict:
     return {"step": i, "samples": 32, "t_data": 0.001 * scale, "t_injected": 0.5, "t_forward": 0.004 * scale,
-            "t_backward": 0.008 * scale, "t_sync": 0.0, "t_optimizer": 0.003 * scale, "t_step": 0.016 * scale}  # fmt: skip
+            "t_backward": 0.008 * scale, "t_sync": 0.0, "t_optimizer": 0.003 * scale, "t_step": 0.016 * scale}
 
 
 def test_compute_per_sample(tmp_path):

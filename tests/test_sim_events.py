@@ -108,7 +108,7 @@ def test_gaussian_approximation_bounds_the_max_from_above(n: int) -> None:
 def test_bsp_single_server_is_compute_plus_incast_push_and_pull(n: int) -> None:
     server_in, server_out = 0.0009, 0.0007  # M beta on the server NIC; the worker adds alpha
     trace = simulate_ps(np.full((20, n), BASE), push_s=PUSH, pull_s=PULL, server_in_s=server_in,
-                        server_out_s=server_out, mode="sync")  # fmt: skip
+                        server_out_s=server_out, mode="sync")
     expected = BASE + max(PUSH, n * server_in) + max(PULL, n * server_out)
     assert trace.mean_step_s == pytest.approx(np.full(n, expected), rel=1e-12)
     assert trace.step_s == pytest.approx(np.full((20, n), expected), rel=1e-9)
@@ -182,7 +182,7 @@ def test_single_server_incast_serializes_simultaneous_pushes() -> None:
     # after n M beta (fair sharing), while k = n shards finish each after M beta.
     n, m_beta = 8, 0.001
     one = simulate_ps(np.full((1, n), BASE), push_s=m_beta, pull_s=m_beta, server_in_s=m_beta,
-                      server_out_s=m_beta, mode="async")  # fmt: skip
+                      server_out_s=m_beta, mode="async")
     assert one.pushed[0] == pytest.approx(np.full(n, BASE + n * m_beta), rel=1e-12)
     sharded_trace = simulate_ps(np.full((1, n), BASE), **sharded(n), mode="async")
     assert sharded_trace.pushed[0] == pytest.approx(np.full(n, BASE + PUSH), rel=1e-12)

@@ -22,7 +22,7 @@ BETA = 8 / 1e9
 ALPHA = 50e-6
 # Compute of 0.1 ms per sample, a third of it forward; batch 64: 6.4 ms per step.
 NOMINAL = [f"sim.bandwidth={RATE}", "sim.alpha_us=50", "sim.compute_ms_per_sample=0.1", "sim.backward_share=0.6667",
-           "data.batch_size=64", "steps=20", "warmup_steps=2"]  # fmt: skip
+           "data.batch_size=64", "steps=20", "warmup_steps=2"]
 COMPUTE = 64 * 0.1 * MS
 
 
@@ -101,7 +101,7 @@ def test_a_straggler_sets_the_pace_and_the_imbalance() -> None:
 def test_staleness_and_async_spare_the_fast_worker_under_jitter() -> None:
     # A small gradient: the jitter, not the server's link, sets the pace.
     jitter = ["world_size=8", "imbalance=jitter", "imbalance.distribution=exponential", "imbalance.mean_ms=5",
-              "imbalance.std_ms=null", "steps=200", "sim.gradient_mb=0.01"]  # fmt: skip
+              "imbalance.std_ms=null", "steps=200", "sim.gradient_mb=0.01"]
     sync = simulate(cfg_of(["sync=ps", *jitter]))["throughput"]
     ssp = simulate(cfg_of(["sync=ps_ssp", "sync.staleness=4", *jitter]))["throughput"]
     asynchronous = simulate(cfg_of(["sync=ps_async", *jitter]))["throughput"]
@@ -119,7 +119,7 @@ def test_local_sgd_communicates_every_period_steps() -> None:
 def test_the_cli_predicts_a_sweep_to_1024_workers(tmp_path: Path) -> None:
     out = tmp_path / "sim"
     proc = run_cli(["-m", "sync=ring,ps_sharded", "world_size=1,32,1024", *NOMINAL, f"hydra.sweep.dir={out}"],
-                   cwd=tmp_path, module="testbed.sim")  # fmt: skip
+                   cwd=tmp_path, module="testbed.sim")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summaries = [read_json(p) for p in out.glob("*/summary.json")]
     assert len(summaries) == 6 and all(s["simulated"] and s["status"] == "ok" for s in summaries)
@@ -136,11 +136,11 @@ def test_the_cli_names_what_is_missing(tmp_path: Path) -> None:
 def test_validation_predicts_measured_runs(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     proc = run_cli(["-m", "sync=allreduce,ps", "world_size=1,2", "steps=8", "warmup_steps=2", "launcher.echo_rank0=false",
-                    f"hydra.sweep.dir={sweep}"], cwd=tmp_path)  # fmt: skip
+                    f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     calibration = tmp_path / "calibration.json"
     fits = [{"link": "loopback", "impl": impl, "alpha": 1e-4, "beta": 1e-9, "gm_error": 0.0, "max_error": 0.0, "points": 4}
-            for impl in ("native", "ring")]  # fmt: skip
+            for impl in ("native", "ring")]
     calibration.write_text(json.dumps({"fits": fits, "sources": []}))
     out = tmp_path / "analysis"
     proc = run_cli([str(sweep), "--calibration", str(calibration), "--out", str(out)], cwd=tmp_path, module="analysis")
@@ -158,7 +158,7 @@ def test_validation_predicts_measured_runs(tmp_path: Path) -> None:
 def test_the_paper_scale_preset_is_set_against_the_published_points(tmp_path: Path) -> None:
     sweep = tmp_path / "horovod"
     proc = run_cli(["+experiment=horovod", "sync=ddp,ps", "world_size=1,128", f"hydra.sweep.dir={sweep}"],
-                   cwd=tmp_path, module="testbed.sim")  # fmt: skip
+                   cwd=tmp_path, module="testbed.sim")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(list(sweep.glob("*/summary.json"))) == 12  # 3 models x 2 synchronizers x 2 sizes
     out = tmp_path / "analysis"
@@ -166,7 +166,7 @@ def test_the_paper_scale_preset_is_set_against_the_published_points(tmp_path: Pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     section = (out / "report.md").read_text().split("## Against the Horovod paper", 1)[1].split("\n## ", 1)[0]
     rows = {line.split("|")[1].strip() + "/" + line.split("|")[2].strip(): line.split("|") for line in section.splitlines()
-            if line.startswith("| inception_v3") or line.startswith("| vgg16")}  # fmt: skip
+            if line.startswith("| inception_v3") or line.startswith("| vgg16")}
     ring = rows["inception_v3/Horovod ring all-reduce, TCP"]
     assert float(ring[3]) == 0.88
     ddp, ps = float(ring[4]), float(ring[5])

@@ -35,7 +35,7 @@ def job_dirs(sweep: Path) -> list[Path]:
 def test_local_sweep_runs_one_world_per_point(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     proc = run_cli(["-m", "hydra/launcher=slurm_local", "world_size=2", *TINY, "seed=0,1", f"hydra.sweep.dir={sweep}"],
-                   tmp_path, timeout=120)  # fmt: skip
+                   tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = job_dirs(sweep)
     assert [p.name.split("_")[0] for p in jobs] == ["0", "1"]
@@ -53,7 +53,7 @@ def test_local_sweep_runs_one_world_per_point(tmp_path: Path) -> None:
 def test_local_task_count_must_match_world_size(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     proc = run_cli(["-m", "hydra/launcher=slurm_local", "hydra.launcher.tasks_per_node=3", "world_size=2", *TINY,
-                    f"hydra.sweep.dir={sweep}"], tmp_path, timeout=120)  # fmt: skip
+                    f"hydra.sweep.dir={sweep}"], tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]  # a bad point is recorded, as in any sweep
     (job,) = job_dirs(sweep)
     error = read_json(job / "summary.json")["error"]
@@ -76,13 +76,13 @@ def slurm_task(procid: int, tmp_path: Path) -> dict:
     env = {k: v for k, v in cli_env().items() if k not in TORCH_ENV and not k.startswith(("SLURM_", "SUBMITIT_"))}
     env.update({"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "8", "SLURM_JOB_NUM_NODES": "2",
                 "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_PROCID": str(procid), "SLURM_LOCALID": str(procid % 4),
-                "SLURM_NODEID": str(procid // 4)})  # fmt: skip
+                "SLURM_NODEID": str(procid // 4)})
     code = (
         "import json, os; from testbed.launch.existing import surrounding_world; "
         "print(json.dumps([surrounding_world(), os.environ['MASTER_ADDR'], os.environ['MASTER_PORT']]))"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+                          timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     layout, addr, port = json.loads(proc.stdout.splitlines()[-1])
     return {"layout": layout, "addr": addr, "port": port}

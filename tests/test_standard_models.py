@@ -158,7 +158,7 @@ def test_bert_encoder_is_bert_base() -> None:
 @pytest.mark.parametrize("name", ["gpt2", "bert"])
 def test_language_models_train_a_step(name: str) -> None:
     cfg = OmegaConf.create({"name": name, "n_layer": 2, "d_model": 32, "n_head": 4, "n_positions": 16,
-                            "dropout": 0.0, "mask_prob": 0.15, "mask_token": 3})  # fmt: skip
+                            "dropout": 0.0, "mask_prob": 0.15, "mask_token": 3})
     spec = DataSpec("lm", (16,), vocab_size=64, seq_len=16)
     net = build_model(cfg, spec)
     tokens = torch.randint(0, 64, (2, 16))

@@ -12,6 +12,8 @@ from testbed.results.format import cell, markdown_table, missing, rows_frame, te
 from testbed.results.keys import run_key
 from testbed.results.table import comparison_rows, format_table
 
+pytestmark = pytest.mark.unit
+
 # --- cells -----------------------------------------------------------------------------------
 
 
@@ -24,7 +26,7 @@ from testbed.results.table import comparison_rows, format_table
         (np.float32(0.5), "0.500"),
         (3, "3"), (np.int64(12345), "12345"), (True, "True"), ("ring", "ring"), ("", ""),  # not floats: as they are
     ],
-)  # fmt: skip
+)
 def test_cell_rule(value: object, text: str) -> None:
     assert cell(value) == text
 
@@ -92,7 +94,7 @@ def test_console_comparison_table_columns() -> None:
     rows = [{"sync": "ring", "world_size": 2, "status": "ok", "throughput": 1234.5, "speedup": 1.9, "efficiency": 0.95}]
     (cells,) = columns_of(format_table(rows))
     assert list(cells) == ["sync", "n", "status", "samples/s", "step ms", "sync ms", "wait ms", "imbalance",
-                           "speedup", "efficiency", "MB/step", "loss"]  # fmt: skip  (tokens/s: optional, no value)
+                           "speedup", "efficiency", "MB/step", "loss"]  # (tokens/s: optional, no value)
     assert cells["samples/s"] == "1234.5" and cells["efficiency"] == "0.950" and cells["n"] == "2" and cells["loss"] == "-"
     (cells,) = columns_of(format_table([{**rows[0], "tokens": 5e5}]))
     assert cells["tokens/s"] == "500000.0"
@@ -106,7 +108,7 @@ def test_benchmark_table() -> None:
     records = [rec("native", 2, 4096, 1e-3), rec("ring", 2, 4096, 2.5e-3), rec("ring", 3, 1 << 20, 0.0125)]
     lines = format_results(records, ["native", "ring"]).splitlines()
     assert lines[0].split() == ["n", "bytes", "native", "ms", "native", "busbw", "GB/s", "native", "ok",
-                                "ring", "ms", "ring", "busbw", "GB/s", "ring", "ok", "ring/native"]  # fmt: skip
+                                "ring", "ms", "ring", "busbw", "GB/s", "ring", "ok", "ring/native"]
     assert len(lines) == 3  # no rule under the titles (nccl-tests style)
     assert lines[1].split() == ["2", "4K", "1.000", "2.000", "True", "2.500", "2.000", "True", "2.50"]
     assert lines[2].split() == ["3", "1M", "-", "-", "-", "12.500", "2.000", "True", "-"]  # fixed decimals, not the rule's
@@ -140,14 +142,14 @@ def test_run_key_vary_and_ignore() -> None:
 def summary(sync: str, n: int, throughput: float | None, status: str = "ok", **over: object) -> dict:
     extra = [f"{k}={v}" for k, v in over.items()]
     return {"sync": sync, "sync_label": sync, "world_size": n, "status": status, "throughput": throughput,
-            "overrides": [f"sync={sync}", f"world_size={n}", *extra]}  # fmt: skip
+            "overrides": [f"sync={sync}", f"world_size={n}", *extra]}
 
 
 def test_speedup_and_efficiency_against_the_single_worker_of_the_same_key() -> None:
     rows = comparison_rows([
         summary("ring", 4, 300.0), summary("ring", 1, 100.0), summary("ring", 2, 180.0),
         summary("tree", 1, 50.0), summary("tree", 2, 90.0),
-    ])  # fmt: skip
+    ])
     assert [(r["sync"], r["world_size"]) for r in rows] == [("ring", 1), ("ring", 2), ("ring", 4), ("tree", 1), ("tree", 2)]
     got = {(r["sync"], r["world_size"]): (r["speedup"], r["efficiency"]) for r in rows}
     assert got[("ring", 1)] == pytest.approx((1.0, 1.0))
@@ -161,7 +163,7 @@ def test_other_overrides_and_seeds_take_their_own_baseline() -> None:
         summary("ring", 1, 100.0, seed=0), summary("ring", 2, 150.0, seed=0),
         summary("ring", 1, 200.0, seed=1), summary("ring", 2, 300.0, seed=1),
         summary("ring", 2, 100.0, seed=2),  # no n = 1 run of seed 2
-    ])  # fmt: skip
+    ])
     eff = sorted((r["throughput"], r.get("efficiency")) for r in rows if r["world_size"] == 2)
     assert eff[0] == (100.0, None)
     assert eff[1][1] == pytest.approx(0.75) and eff[2][1] == pytest.approx(0.75)

@@ -3,8 +3,8 @@ gradient buffers and their buckets, backward's readiness hooks, and the summary'
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -146,13 +146,13 @@ def record(step: int, rank: int, t_step: float, samples: int = 8, **extra: objec
     base = {"step": step, "rank": rank, "samples": samples, "loss": 1.0 / (step + 1), "t_data": 0.0,
             "t_injected": 0.0, "t_forward": t_step / 2, "t_backward": t_step / 4, "t_sync": t_step / 4,
             "t_wait": 0.0, "t_comm": t_step / 8, "t_optimizer": 0.0, "t_step": t_step, "bytes_sent": 100 * (rank + 1),
-            "bytes_recv": 0}  # fmt: skip
+            "bytes_recv": 0}
     return {**base, **extra}
 
 
 def test_summary_arithmetic() -> None:
     cfg = {"warmup_steps": 1, "world_size": 2, "steps": 4, "sync": {"name": "ring", "accumulate": 1},
-           "data": {"batch_size": 8, "scaling": "weak"}}  # fmt: skip
+           "data": {"batch_size": 8, "scaling": "weak"}}
     # Rank 1 takes twice as long per step: throughput sums each rank's own pace.
     records = [[record(s, 0, 0.1) for s in range(4)], [record(s, 1, 0.2) for s in range(4)]]
     summary = summarize(cfg, records, label="ring")

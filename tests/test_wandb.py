@@ -13,7 +13,7 @@ from analysis.load import read_offline_run
 def test_offline_run_mirrors_the_job(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     proc = run_cli(["-m", "sync=ring", "world_size=2", "steps=6", "warmup_steps=1", "wandb.mode=offline",
-                    f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env={"WANDB_MODE": None})  # fmt: skip
+                    f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env={"WANDB_MODE": None})
     assert proc.returncode == 0, proc.stderr[-3000:]
     (job,) = [p.parent for p in sweep.glob("*/summary.json")]
     (run_file,) = job.glob("wandb/offline-run-*/run-*.wandb")  # one W&B run per job, inside the job dir

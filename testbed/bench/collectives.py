@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -108,7 +108,7 @@ def bench_rank(
                 median = statistics.median(times)
                 algbw = numel * 4 / median
                 rec = BenchRecord(name, n, numel * 4, median, min(times), algbw, algbw * 2 * (n - 1) / n,
-                                  bool(flag.item() == 0), count)  # fmt: skip
+                                  bool(flag.item() == 0), count)
                 results.append(asdict(rec))
     finally:
         dist.destroy_process_group()

@@ -108,7 +108,7 @@ def measure(overrides: list[str], steps: int, repeats: int) -> dict:
     return {
         "overrides": overrides, "device": str(device), "steps": steps, "repeats": repeats,
         "plain_samples_per_s": plain_tp, "trainer_samples_per_s": trainer_tp, "ratio": trainer_tp / plain_tp,
-    }  # fmt: skip
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

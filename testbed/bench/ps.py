@@ -21,9 +21,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import grpc
 import torch
@@ -61,7 +62,7 @@ def _rounds(run_round: Callable[[], None], warmup: int, iters: int) -> list[floa
 def _record(impl: str, n: int, nbytes: int, times: list[float], correct: bool) -> dict[str, Any]:
     median = statistics.median(times)
     return {"impl": impl, "world_size": n, "bytes": nbytes, "time_s": median, "time_min_s": min(times),
-            "algbw": nbytes / median, "busbw": nbytes / median, "correct": correct, "iters": len(times)}  # fmt: skip
+            "algbw": nbytes / median, "busbw": nbytes / median, "correct": correct, "iters": len(times)}
 
 
 @record

@@ -47,7 +47,7 @@ from testbed.ps.wire import (
     encoded_chunks,
     keep_freed_memory,
     passthrough,
-)  # fmt: skip
+)
 from testbed.results.format import rows_frame, text_table
 
 CHUNK_BYTES = 1 << 20  # the default --chunk-kb
@@ -179,7 +179,7 @@ class Link:
 def start_shards(count: int, tmp: Path) -> tuple[list[subprocess.Popen], dict[str, list[Link]]]:
     """A shard process per codec, started together, holding ``count`` shards each."""
     procs = {name: subprocess.Popen([sys.executable, "-m", "testbed.bench.wire", "--serve", name, str(tmp / name), str(count)])
-             for name in CODECS}  # fmt: skip
+             for name in CODECS}
     links = {}
     deadline = time.monotonic() + 120
     for name, proc in procs.items():

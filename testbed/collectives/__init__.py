@@ -12,4 +12,4 @@ from testbed.collectives.tree import btree, dtree, tree_allreduce_
 __all__ = [
     "Traffic", "chunk_bounds", "ring_allreduce_", "tree_allreduce_", "btree", "dtree",
     "halving_doubling_allreduce_", "scratch_elems",
-]  # fmt: skip
+]

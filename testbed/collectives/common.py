@@ -12,7 +12,7 @@ class Traffic:
     sent: int = 0
     recv: int = 0
 
-    def __iadd__(self, other: "Traffic") -> "Traffic":
+    def __iadd__(self, other: Traffic) -> Traffic:
         self.sent += other.sent
         self.recv += other.recv
         return self

@@ -53,7 +53,7 @@ class RankBatches:
             pos += take
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def to(self, device: torch.device) -> "RankBatches":
+    def to(self, device: torch.device) -> RankBatches:
         """Keep the data set on ``device`` (it is small), so a batch is one gather with no host copy."""
         self.inputs, self.targets = self.inputs.to(device), self.targets.to(device)
         return self
@@ -96,7 +96,7 @@ def build_data(
     if cfg.name in ("image_folder", "tokens"):
         dataset = ImageFolder(cfg.root, cfg.image_size) if cfg.name == "image_folder" else TokenFile(cfg.path, cfg.seq_len, cfg.dtype)
         pipeline = {k: cfg[k] for k in ("shuffle", "drop_last", "num_workers", "pin_memory", "persistent_workers",
-                                        "prefetch_factor", "worker_start")}  # fmt: skip
+                                        "prefetch_factor", "worker_start")}
         return spec, LoaderBatches(dataset, sizes, rank, seed, **pipeline)
     inputs, targets, spec = load_dataset(cfg, seed)
     return spec, RankBatches(inputs, targets, sizes, rank, seed).to(device)

@@ -132,7 +132,7 @@ class LoaderBatches:
     def describe(self) -> dict[str, Any]:
         """For summary.json: the data set's size, the steps an epoch has and the epochs begun."""
         return {"samples": self.sampler.num_samples, "steps_per_epoch": self.sampler.steps_per_epoch,
-                "epochs": self.epochs_started, "num_workers": self.loader.num_workers}  # fmt: skip
+                "epochs": self.epochs_started, "num_workers": self.loader.num_workers}
 
     def close(self) -> None:
         """Shut the workers down: the loader holds persistent workers' iterator too, so drop both."""

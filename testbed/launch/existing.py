@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 from testbed.config import ConfigError
 from testbed.world import env_rank_layout
 
 
-def surrounding_world() -> Optional[tuple[int, int, int, int]]:
+def surrounding_world() -> tuple[int, int, int, int] | None:
     """(rank, local_rank, world_size, local_world_size) when launched inside a world, else None.
 
     torchrun sets TORCHELASTIC_RUN_ID (and RANK, WORLD_SIZE); Slurm sets SLURM_PROCID and

@@ -6,7 +6,7 @@ import logging
 import sys
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -16,21 +16,21 @@ from testbed import checkpoint, config
 from testbed.launch.existing import in_submitit_job, surrounding_world
 from testbed.launch.rank import rank_main
 from testbed.launch.spawn import RankFailure, spawn_world
-from testbed.stall import read_stall
 from testbed.netem import EmulatedNetwork
 from testbed.results.summary import failed_summary, summarize, write_summary
 from testbed.results.table import format_table, summary_row
+from testbed.stall import read_stall
 from testbed.sync import SYNCHRONIZERS
 from testbed.world import DEBUG_ENV
 
 log = logging.getLogger("testbed")
 
 
-def run_job(cfg: DictConfig) -> Optional[dict[str, Any]]:
+def run_job(cfg: DictConfig) -> dict[str, Any] | None:
     hydra_cfg = HydraConfig.get()
     job_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
-    joined: Optional[tuple[int, int, int, int]] = None
+    joined: tuple[int, int, int, int] | None = None
     try:
         joined = surrounding_world()
         if joined is not None:
@@ -65,7 +65,7 @@ def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path, identity: dict
     """Build the emulated network and start the parameter servers when the run needs them, then the
     ranks; take all of it down again, whatever happens."""
     log.info("spawning %d rank(s): sync=%s model=%s data=%s -> %s", cfg.world_size, cfg.sync.name,
-             cfg.model.name, cfg.data.name, job_dir)  # fmt: skip
+             cfg.model.name, cfg.data.name, job_dir)
     spec = SYNCHRONIZERS[cfg.sync.name]
     servers = spec.local_servers(cfg)
     env: dict[str, str] = dict(DEBUG_ENV) if cfg.debug else {}  # C++ logging reads its level at import
@@ -79,7 +79,7 @@ def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path, identity: dict
                 log.info("emulated network: %s links, namespaces %s-*", cfg.network.bandwidth, network.prefix)
             if servers:
                 hosts = [(network.endpoints[f"s{k}"].namespace, network.endpoints[f"s{k}"].address)
-                         for k in range(servers)] if network else None  # fmt: skip
+                         for k in range(servers)] if network else None
                 saving = (job_dir / checkpoint.DIR, int(cfg.checkpoint.every)) if cfg.checkpoint.every else None
                 restore = checkpoint.latest(Path(cfg.resume)) if cfg.resume else None
                 start = spec.servers.start(plain, cfg.world_size, job_dir / "logs", hosts, saving, restore)
@@ -89,7 +89,7 @@ def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path, identity: dict
                 rank_main, (plain, str(job_dir), identity), cfg.world_size, job_dir / "logs",
                 rendezvous_timeout_s=cfg.timeouts.rendezvous_s, echo_rank0=cfg.launcher.echo_rank0,
                 monitor_interval_s=cfg.launcher.monitor_interval_s, env=env,
-            )  # fmt: skip
+            )
             return results[0]
     except RankFailure as failure:
         return _record_failure(job_dir, plain, failure.message, failure.rank)
@@ -108,7 +108,7 @@ def _identity(plain: dict[str, Any], hydra_cfg: Any, multirun: bool) -> dict[str
     }
 
 
-def _with_overrides(job_dir: Path, summary: Optional[dict[str, Any]], hydra_cfg: Any) -> Optional[dict[str, Any]]:
+def _with_overrides(job_dir: Path, summary: dict[str, Any] | None, hydra_cfg: Any) -> dict[str, Any] | None:
     """Add the job's command-line overrides: within a sweep they say which jobs share a configuration
     (interpolated or run-time values such as server addresses cannot)."""
     if summary is not None:
@@ -117,24 +117,24 @@ def _with_overrides(job_dir: Path, summary: Optional[dict[str, Any]], hydra_cfg:
     return summary
 
 
-def _record_failure(job_dir: Path, plain: dict[str, Any], message: str, rank: Optional[int]) -> dict[str, Any]:
+def _record_failure(job_dir: Path, plain: dict[str, Any], message: str, rank: int | None) -> dict[str, Any]:
     error = failure_cause(message, rank, read_stall(job_dir / "logs"))
     spec = SYNCHRONIZERS[plain["sync"]["name"]]
     summary = failed_summary(job_dir, plain, error, spec.impl.waits_for_peers, spec.label(plain["sync"]))
     write_summary(job_dir, summary)
     where = "" if error["rank"] is None else f"rank {error['rank']}: "
     log.error("run failed at step %s (%s): %s%s (results so far kept in %s)", error["step"], error["kind"], where,
-              message, job_dir)  # fmt: skip
+              message, job_dir)
     return summary
 
 
-def failure_cause(message: str, rank: Optional[int], stall: Optional[dict[str, Any]]) -> dict[str, Any]:
+def failure_cause(message: str, rank: int | None, stall: dict[str, Any] | None) -> dict[str, Any]:
     """What failed and where: ``kind`` and the rank to blame (for a stall, the first that did not
     arrive rather than the one that reported it). Peers of a rank that died may report a stall too,
     later: only a stall that is itself the first failure counts."""
     if stall is not None and message.startswith("StallError"):
         return {"message": message, "rank": stall["missing"][0], "kind": "stall", "missing": stall["missing"],
-                "reporter": stall["reporter"]}  # fmt: skip
+                "reporter": stall["reporter"]}
     if rank is None:
         kind = "launch"
     elif "killed by signal" in message:
@@ -177,7 +177,7 @@ def _check_joined(cfg: DictConfig, joined: tuple[int, int, int, int], hydra_cfg:
         )
 
 
-def _config_failure(cfg: DictConfig, job_dir: Path, message: str, multirun: bool) -> Optional[dict[str, Any]]:
+def _config_failure(cfg: DictConfig, job_dir: Path, message: str, multirun: bool) -> dict[str, Any] | None:
     print(f"config error: {message}", file=sys.stderr, flush=True)
     if not multirun:
         sys.exit(2)

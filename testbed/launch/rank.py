@@ -15,8 +15,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,16 +27,16 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from testbed import checkpoint, config
 from testbed.buffers import BufferSync
 from testbed.data import build_data
-from testbed.seeds import rank_seed
 from testbed.faults import FaultInjector
 from testbed.imbalance import Injector, loss_weight, shard_batches
-from testbed.stall import Arrivals, StallError
 from testbed.models import build_model, gradient_bytes, objective_batches, workload_facts
 from testbed.netem import enter_rank_namespace
 from testbed.optim import build_optimizer
 from testbed.results.step_log import StepLog, flush_open_logs, metrics_path
 from testbed.results.summary import summarize, write_summary
 from testbed.results.wandb_run import WandbRun
+from testbed.seeds import rank_seed
+from testbed.stall import Arrivals, StallError
 from testbed.sync import spec_of
 from testbed.timing import fill_wait_from_latest
 from testbed.trainer import Trainer
@@ -45,7 +46,7 @@ log = logging.getLogger("testbed")
 
 
 @record
-def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any]) -> Optional[dict[str, Any]]:
+def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any]) -> dict[str, Any] | None:
     """Train one rank; rank 0 writes summary.json and model_final.pt and returns the summary.
 
     ``identity`` names the job for W&B: ``name``, ``group``, ``job_type`` and its ``overrides``.
@@ -59,8 +60,8 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
     _configure_logging(world.rank)
     log.info("rank %d/%d pid %d device %s backend %s", world.rank, world.world_size, os.getpid(), world.device, world.backend)
     sync = spec.impl(cfg.sync)
-    tracker: Optional[WandbRun] = None
-    summary: Optional[dict[str, Any]] = None
+    tracker: WandbRun | None = None
+    summary: dict[str, Any] | None = None
     arrivals = Arrivals(world.rank, world.world_size, cfg.timeouts.stall_warn_s) if world.world_size > 1 else None
     try:
         threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // world.local_world_size)
@@ -97,7 +98,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
             fault=FaultInjector(cfg.fault, world.rank, cfg.seed, cfg.steps), arrivals=arrivals,
             start_step=resumed, buffers=buffers if buffers.flats else None,
             after_step=_checkpointer(cfg, Path(job_dir), world.rank, model, optimizer, injector, step_log),
-        )  # fmt: skip
+        )
         if state is not None:
             checkpoint.restore_rng(state, injector.rng)
         try:
@@ -112,7 +113,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
         if buffers.flats:
             buffers.sync()  # the final model's buffers, whatever the last step was
         facts = {"workload": workload_facts(cfg.model, spec, model), "buffers": buffers.describe(),
-                 "data": batches.describe()}  # fmt: skip
+                 "data": batches.describe()}
         summary = _finish(plain_cfg, world, model, sync, step_log, records, Path(job_dir), facts)
         return summary
     finally:
@@ -127,7 +128,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
 def _finish(
     plain_cfg: dict[str, Any], world: World, model: torch.nn.Module, sync: Any,
     step_log: StepLog, records: list[dict[str, Any]], job_dir: Path, run_facts: dict[str, Any],
-) -> Optional[dict[str, Any]]:  # fmt: skip
+) -> dict[str, Any] | None:
     """After the last step: one all-reduce of enter times (for t_wait), then rank 0 gathers the records."""
     facts = {
         **run_facts,
@@ -143,7 +144,7 @@ def _finish(
     dist.all_reduce(latest, op=dist.ReduceOp.MAX)
     fill_wait_from_latest(records, latest.tolist(), sync.waits_for_peers)
     step_log.rewrite(records)
-    gathered: Optional[list[Any]] = [None] * world.world_size if world.is_main else None
+    gathered: list[Any] | None = [None] * world.world_size if world.is_main else None
     dist.gather_object((records, facts), gathered, dst=0)
     if gathered is None:
         return None
@@ -157,7 +158,7 @@ def _finish(
 def _checkpointer(
     cfg: Any, job_dir: Path, rank: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, injector: Injector,
     step_log: StepLog,
-) -> Optional[Callable[[int], None]]:
+) -> Callable[[int], None] | None:
     """Saves a checkpoint after every ``checkpoint.every`` steps but the last (the run's end is its
     result), with the step records up to it flushed: a resumed run takes them over."""
     every, keep, steps = int(cfg.checkpoint.every), int(cfg.checkpoint.keep), int(cfg.steps)
@@ -196,7 +197,7 @@ def param_hash(model: torch.nn.Module) -> str:
     return _hash(model.state_dict().items())
 
 
-def buffer_hash(model: torch.nn.Module) -> Optional[str]:
+def buffer_hash(model: torch.nn.Module) -> str | None:
     """Bitwise fingerprint of the buffers alone (BatchNorm's statistics); None for a model without any."""
     named = list(model.named_buffers())
     return _hash(named) if named else None

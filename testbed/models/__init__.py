@@ -7,10 +7,13 @@ is spawned, with the model and data named.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
 from testbed.data import DataSpec
@@ -26,10 +29,10 @@ from testbed.models.vgg import vgg16
 @dataclass(frozen=True)
 class ModelKind:
     build: Callable[[Any, DataSpec], nn.Module]
-    reads: Optional[str]  # the data kind it takes ("classification" | "lm"); None: any, judged by its output
+    reads: str | None  # the data kind it takes ("classification" | "lm"); None: any, judged by its output
     language: bool = False  # a language model: throughput in tokens, MFU from flops_per_token
     # Wraps the data's batch stream in the model's own objective (BERT's masking); None: as is.
-    objective: Optional[Callable[..., Any]] = None
+    objective: Callable[..., Any] | None = None
 
 
 def _resnet(depth: int) -> Callable[[Any, DataSpec], nn.Module]:
@@ -43,14 +46,14 @@ def _resnet(depth: int) -> Callable[[Any, DataSpec], nn.Module]:
 MODELS: dict[str, ModelKind] = {
     "mlp": ModelKind(lambda cfg, spec: Mlp(spec.input_numel, spec.num_classes, cfg.hidden, cfg.depth), "classification"),
     "cnn": ModelKind(lambda cfg, spec: SmallResNet(spec.shape[0], spec.num_classes, cfg.width, list(cfg.blocks)),
-                     "classification"),  # fmt: skip
+                     "classification"),
     "transformer": ModelKind(lambda cfg, spec: Gpt(spec.vocab_size, spec.seq_len, cfg.d_model, cfg.n_layer, cfg.n_head),
-                             "lm", language=True),  # fmt: skip
+                             "lm", language=True),
     "resnet18": ModelKind(_resnet(18), "classification"),
     "resnet50": ModelKind(_resnet(50), "classification"),
     "resnet101": ModelKind(_resnet(101), "classification"),
     "vgg16": ModelKind(lambda cfg, spec: vgg16(spec.num_classes, spec.shape[0], cfg.width, cfg.hidden, cfg.dropout),
-                       "classification"),  # fmt: skip
+                       "classification"),
     "gpt2": ModelKind(build_gpt2, "lm", language=True),
     "bert": ModelKind(build_bert, "lm", language=True, objective=MaskedTokens),
     "custom": ModelKind(build_custom, None),
@@ -89,8 +92,20 @@ def check_fits(cfg: Any, spec: DataSpec) -> None:
     model and the data) when it cannot be built or its output does not fit the data's targets.
 
     Small models run on the CPU; large ones on the meta device (shapes only: no memory, no compute),
-    or on the CPU where the meta device lacks an operation.
+    or on the CPU where the meta device lacks an operation. A pair that fits is checked once per
+    process: a sweep validates the same model at every point.
     """
+    key = json.dumps([OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else cfg, str(spec)],
+                     sort_keys=True, default=str)
+    if key not in _FITTING:
+        _check_fits(cfg, spec)
+        _FITTING.add(key)
+
+
+_FITTING: set[str] = set()
+
+
+def _check_fits(cfg: Any, spec: DataSpec) -> None:
     expected = (2, spec.seq_len, spec.vocab_size) if spec.kind == "lm" else (2, spec.num_classes)
     devices = ("meta", "cpu")
     try:

@@ -41,12 +41,12 @@ def _hf_config(cfg: Any, spec: DataSpec, kind: str) -> Any:
             vocab_size=spec.vocab_size, n_positions=cfg.n_positions, n_embd=cfg.d_model, n_layer=cfg.n_layer,
             n_head=cfg.n_head, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
             bos_token_id=last, eos_token_id=last,
-        )  # fmt: skip
+        )
     return BertConfig(
         vocab_size=spec.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layer,
         num_attention_heads=cfg.n_head, intermediate_size=4 * cfg.d_model, max_position_embeddings=cfg.n_positions,
         hidden_dropout_prob=cfg.dropout, attention_probs_dropout_prob=cfg.dropout, pad_token_id=0,
-    )  # fmt: skip
+    )
 
 
 def build_gpt2(cfg: Any, spec: DataSpec) -> nn.Module:

@@ -115,7 +115,7 @@ class EmulatedNetwork:
         self.endpoints = {e: Endpoint(f"{self.prefix}-{e}", f"{SUBNET}.{i + 2}") for i, e in enumerate(endpoints)}
         self._created: list[str] = []
 
-    def __enter__(self) -> "EmulatedNetwork":
+    def __enter__(self) -> EmulatedNetwork:
         check_available()
         remove_leftovers()
         try:
@@ -143,7 +143,7 @@ class EmulatedNetwork:
         for i, ep in enumerate(self.endpoints.values()):
             port = f"p{i}"
             self._add_namespace(ep.namespace)
-            _run("ip", "link", "add", INTERFACE, "netns", ep.namespace, "type", "veth", "peer", "name", port, "netns", self.switch)  # fmt: skip
+            _run("ip", "link", "add", INTERFACE, "netns", ep.namespace, "type", "veth", "peer", "name", port, "netns", self.switch)
             _run("ip", "-n", self.switch, "link", "set", port, "master", "br0", "up")
             _run("ip", "-n", ep.namespace, "addr", "add", f"{ep.address}/24", "dev", INTERFACE)
             _run("ip", "-n", ep.namespace, "link", "set", INTERFACE, "up")

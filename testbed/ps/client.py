@@ -6,9 +6,10 @@ call has a deadline; failures name the shard, its address and the gRPC status.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import torch
@@ -26,7 +27,7 @@ from testbed.ps.wire import (
     keep_freed_memory,
     open_channel,
     passthrough,
-)  # fmt: skip
+)
 
 T = TypeVar("T")
 
@@ -44,7 +45,7 @@ class PullResult:
 
 class PsClient:
     def __init__(
-        self, addresses: list[str], token: str, worker: int, timeout_s: float, chunk_bytes: int, tls_ca: Optional[str] = None
+        self, addresses: list[str], token: str, worker: int, timeout_s: float, chunk_bytes: int, tls_ca: str | None = None
     ) -> None:
         self.addresses, self.worker, self.timeout_s, self.chunk_bytes = addresses, worker, timeout_s, chunk_bytes
         keep_freed_memory()
@@ -83,7 +84,7 @@ class PsClient:
         """Wait (up to ``wait_s``) until every shard answers; return their descriptions."""
         request = pb.RegisterRequest(worker=self.worker)
         return self._each(lambda i: self._call(i, "Register", lambda: self.stubs[i].Register(
-            request, timeout=wait_s, metadata=self.metadata, wait_for_ready=True)))  # fmt: skip
+            request, timeout=wait_s, metadata=self.metadata, wait_for_ready=True)))
 
     def init_params(self, shards: list[torch.Tensor]) -> list[pb.ShardInfo]:
         def send(i: int) -> pb.ShardInfo:
@@ -107,7 +108,7 @@ class PsClient:
             def run() -> tuple[int, float, int]:
                 link_delay()
                 call = self._pull[i](pb.PullRequest(worker=self.worker, shard=i, clock=clock),
-                                     timeout=self.timeout_s, metadata=self.metadata)  # fmt: skip
+                                     timeout=self.timeout_s, metadata=self.metadata)
                 version, received = -1, 0
                 for chunk in call:
                     if chunk.malformed or chunk.offset + chunk.length > params[i].numel():
@@ -130,11 +131,11 @@ class PsClient:
 
     def stats(self) -> list[pb.StatsReply]:
         return self._each(lambda i: self._call(i, "Stats", lambda: self.stubs[i].Stats(
-            pb.StatsRequest(), timeout=self.timeout_s, metadata=self.metadata)))  # fmt: skip
+            pb.StatsRequest(), timeout=self.timeout_s, metadata=self.metadata)))
 
     def shutdown(self) -> None:
         self._each(lambda i: self._call(i, "Shutdown", lambda: self.stubs[i].Shutdown(
-            pb.ShutdownRequest(), timeout=self.timeout_s, metadata=self.metadata)))  # fmt: skip
+            pb.ShutdownRequest(), timeout=self.timeout_s, metadata=self.metadata)))
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -147,4 +148,4 @@ def describe_stats(stats: list[pb.StatsReply]) -> list[dict[str, Any]]:
         {"version": s.version, "pushes": s.pushes, "pulls": s.pulls, "rejected": s.rejected, "bytes_in": s.bytes_in,
          "bytes_out": s.bytes_out, "apply_seconds": s.apply_seconds, "staleness_histogram": list(s.staleness_histogram)}
         for s in stats
-    ]  # fmt: skip
+    ]

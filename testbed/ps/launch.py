@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -35,7 +35,7 @@ class LocalServers:
         self, sync_cfg: dict[str, Any], optim_cfg: dict[str, Any], workers: int, log_dir: Path,
         hosts: list[tuple[str, str]] | None = None, checkpoint: tuple[Path, int] | None = None,
         restore: Path | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """``hosts``: (network namespace, address) per shard on an emulated network; ``checkpoint``:
         (directory, every) for sync-mode checkpoints; ``restore``: a checkpoint step directory whose
         ``ps<shard>.pt`` each shard starts from."""
@@ -45,7 +45,7 @@ class LocalServers:
         self.procs: list[subprocess.Popen] = []
         self.addresses: list[str] = []
 
-    def __enter__(self) -> "LocalServers":
+    def __enter__(self) -> LocalServers:
         try:
             self.start()
         except BaseException:
@@ -74,7 +74,7 @@ class LocalServers:
                 "--mode", self.sync_cfg["mode"], "--staleness", str(self.sync_cfg["staleness"]),
                 "--optim", json.dumps(self.optim_cfg), "--host", host, "--port", "0",
                 "--port-file", str(port_file), "--chunk-kb", str(self.sync_cfg["chunk_kb"]),
-            ]  # fmt: skip
+            ]
             cert, key, _ = tls_of(self.sync_cfg)
             if cert:
                 cmd += ["--tls-cert", cert, "--tls-key", key]
@@ -114,7 +114,7 @@ class LocalServers:
                 proc.wait()
 
 
-def wait_healthy(address: str, timeout_s: float, name: str, tls_ca: Optional[str] = None) -> None:
+def wait_healthy(address: str, timeout_s: float, name: str, tls_ca: str | None = None) -> None:
     """Block until ``address`` reports SERVING on the standard gRPC health service."""
     deadline = time.monotonic() + timeout_s
     with open_channel(address, tls_ca) as channel:

@@ -28,10 +28,11 @@ import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import asdict
+from collections.abc import Callable, Iterator
 from concurrent import futures
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 import grpc
 import torch
@@ -40,9 +41,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from omegaconf import OmegaConf
 
 from testbed.optim import SgdConfig, build_optimizer
-from testbed.ps.modes import CHUNK_KB, MODES, STALENESS
 from testbed.ps import parameter_server_pb2 as pb
 from testbed.ps import parameter_server_pb2_grpc as pb_grpc
+from testbed.ps.modes import CHUNK_KB, MODES, STALENESS
 from testbed.ps.wire import (
     CHANNEL_OPTIONS,
     FROM_WIRE,
@@ -57,7 +58,7 @@ from testbed.ps.wire import (
     keep_freed_memory,
     passthrough,
     token_from_env,
-)  # fmt: skip
+)
 
 log = logging.getLogger("testbed.ps.server")
 
@@ -77,7 +78,7 @@ class Shard:
         self.shard, self.workers, self.mode, self.staleness = shard, workers, mode, staleness
         self.optim_cfg, self.chunk_bytes = optim_cfg, chunk_bytes
         self.cond = threading.Condition()
-        self.params: Optional[torch.nn.Parameter] = None
+        self.params: torch.nn.Parameter | None = None
         self.version = 0
         self.clocks = [0] * workers
         self.pending: set[int] = set()  # sync: workers whose push for the current step is staged
@@ -87,7 +88,7 @@ class Shard:
         self.apply_seconds = 0.0
         # sync mode: write the state after every `checkpoint_every`-th update to
         # <checkpoint_dir>/step<version - 1>/ps<shard>.pt, beside the workers' checkpoint of that step.
-        self.checkpoint_dir: Optional[Path] = None
+        self.checkpoint_dir: Path | None = None
         self.checkpoint_every = 0
 
     # --- initialisation -----------------------------------------------------------------------
@@ -107,13 +108,13 @@ class Shard:
             except (RuntimeError, MemoryError):
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"InitParams: cannot hold {numel} elements of {dtype}") from None
             self._receive("InitParams", first, stream, values, worker_bound=1, same=("step",),
-                          changed="every chunk must carry the same size")  # fmt: skip
+                          changed="every chunk must carry the same size")
             self._hold(values)
             self.stats["bytes_in"] += numel * values.element_size()
         return self.info()
 
     def _receive(self, rpc: str, first: Chunk, rest: Iterator[Chunk], into: torch.Tensor, worker_bound: int,
-                 same: tuple[str, ...], changed: str) -> None:  # fmt: skip
+                 same: tuple[str, ...], changed: str) -> None:
         """Validate the chunk stream ``first, *rest`` and copy it into ``into`` (1-D, its size and
         dtype are the stream's): chunks in order without gaps that fill ``into`` exactly, from
         workers below ``worker_bound``, each with the fields ``same`` of the first chunk (else
@@ -146,7 +147,7 @@ class Shard:
         state = torch.load(path, weights_only=False)
         if state["shard"] != self.shard or state["workers"] != self.workers or self.mode != "sync":
             raise SystemExit(f"{path}: a checkpoint of shard {state['shard']} with {state['workers']} workers; "
-                             f"this is shard {self.shard} with {self.workers}, mode {self.mode} (sync only)")  # fmt: skip
+                             f"this is shard {self.shard} with {self.workers}, mode {self.mode} (sync only)")
         with self.cond:
             self._hold(state["params"])
             self.optimizer.load_state_dict(state["optimizer"])
@@ -160,7 +161,7 @@ class Shard:
         target.mkdir(parents=True, exist_ok=True)
         state = {"shard": self.shard, "workers": self.workers, "params": self.params.detach().clone(),
                  "optimizer": self.optimizer.state_dict(), "version": self.version, "clocks": list(self.clocks),
-                 "histogram": dict(self.histogram)}  # fmt: skip
+                 "histogram": dict(self.histogram)}
         tmp = target / f"ps{self.shard}.pt.tmp"
         torch.save(state, tmp)
         os.replace(tmp, target / f"ps{self.shard}.pt")
@@ -174,7 +175,7 @@ class Shard:
             numel = 0 if self.params is None else self.params.numel()
             dtype = 0 if self.params is None else TO_WIRE[self.params.dtype]
             return pb.ShardInfo(shard=self.shard, workers=self.workers, numel=numel, dtype=dtype, mode=self.mode,
-                                staleness=self.staleness, version=self.version)  # fmt: skip
+                                staleness=self.staleness, version=self.version)
 
     # --- push ---------------------------------------------------------------------------------
 
@@ -192,14 +193,14 @@ class Shard:
                 raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"worker {worker} already pushed step {self.version}")
             if self.mode == "sync" and first.step != self.version:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"sync push for version {first.step}, but the shard is at version {self.version}")  # fmt: skip
+                              f"sync push for version {first.step}, but the shard is at version {self.version}")
             if first.step > self.version:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"push based on version {first.step} > {self.version}")
             self.pushing.add(worker)
         try:
             # Staged outside the lock: only this worker's stream writes its staging row.
             self._receive("Push", first, stream, self.staging[worker], worker_bound=self.workers,
-                          same=("worker", "step"), changed="worker and step must not change mid-stream")  # fmt: skip
+                          same=("worker", "step"), changed="worker and step must not change mid-stream")
             return self._commit(worker, int(first.step))
         finally:
             with self.cond:
@@ -250,12 +251,12 @@ class Shard:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"Pull: shard {request.shard}, this is shard {self.shard}")
             if clock > self.clocks[worker]:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"Pull: worker {worker} at clock {clock} has pushed only {self.clocks[worker]} times")  # fmt: skip
+                              f"Pull: worker {worker} at clock {clock} has pushed only {self.clocks[worker]} times")
             start = time.perf_counter()
             remaining = context.time_remaining()
             if not self.cond.wait_for(lambda: self._may_pull(worker, clock), timeout=remaining):
                 raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED,
-                              f"Pull: worker {worker} at clock {clock} still blocked; clocks {self.clocks}")  # fmt: skip
+                              f"Pull: worker {worker} at clock {clock} still blocked; clocks {self.clocks}")
             blocked = time.perf_counter() - start
             version = self.version
             if self.snapshots is not None:  # async/ssp: updates may land while this pull streams
@@ -301,7 +302,7 @@ class Shard:
                 staleness_histogram=[self.histogram.get(s, 0) for s in range(top + 1)],
                 bytes_in=self.stats["bytes_in"], bytes_out=self.stats["bytes_out"], pushes=self.stats["pushes"],
                 pulls=self.stats["pulls"], rejected=self.stats["rejected"], apply_seconds=self.apply_seconds,
-            )  # fmt: skip
+            )
 
     # --- validation -----------------------------------------------------------------------------
 
@@ -408,7 +409,7 @@ def _parsed(request: Any) -> Any:
 def add_servicer(
     servicer: Servicer, server: grpc.Server, decode: Callable[[bytes], Chunk] = decode_chunk,
     encode: Callable[[Any], bytes] = passthrough,
-) -> None:  # fmt: skip
+) -> None:
     """Register the service with the fast TensorChunk path: chunks in are decoded without copying
     their payload, chunks out are encoded with one copy (testbed.ps.wire). ``decode`` (which must
     not raise: it marks a bad message ``malformed``) and ``encode`` (of Shard.pull_messages) are
@@ -498,7 +499,7 @@ def serve(args: argparse.Namespace) -> None:
     log.info("shard %d stopped: %s", args.shard, " ".join(str(shard.stats_reply()).split()))
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m testbed.ps.server", description=__doc__.splitlines()[0])
     parser.add_argument("--shard", type=int, required=True, help="this server's shard index")
     parser.add_argument("--workers", type=int, required=True, help="number of workers that will push")
@@ -522,7 +523,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="[ps] %(asctime)s %(message)s", stream=sys.stdout, force=True)
     torch.set_num_threads(1)
     keep_freed_memory()

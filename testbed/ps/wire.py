@@ -5,9 +5,10 @@ from __future__ import annotations
 import ctypes
 import os
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import grpc
 import torch
@@ -53,7 +54,7 @@ def token_from_env() -> str:
     return token
 
 
-def open_channel(address: str, ca: Optional[str] = None) -> grpc.Channel:
+def open_channel(address: str, ca: str | None = None) -> grpc.Channel:
     """A channel to a shard: TLS when ``ca`` (the PEM of the certificate authority that signed the
     servers' certificates) is given, so tokens and tensors never cross a network in the clear."""
     if ca is None:
@@ -61,7 +62,7 @@ def open_channel(address: str, ca: Optional[str] = None) -> grpc.Channel:
     return grpc.secure_channel(address, grpc.ssl_channel_credentials(Path(ca).read_bytes()), options=CHANNEL_OPTIONS)
 
 
-def tls_of(sync_cfg: Any) -> tuple[Optional[str], Optional[str], Optional[str]]:
+def tls_of(sync_cfg: Any) -> tuple[str | None, str | None, str | None]:
     """(certificate, key, certificate authority) of a sync config; all None without TLS."""
     return sync_cfg.get("tls_cert") or None, sync_cfg.get("tls_key") or None, sync_cfg.get("tls_ca") or None
 

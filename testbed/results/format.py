@@ -62,7 +62,7 @@ def _present(data: pd.DataFrame, columns: Mapping[str, str], optional: Sequence[
     return {
         k: t for k, t in columns.items()
         if k in data.columns and (k not in optional or any(not missing(v) for v in data[k]))
-    }  # fmt: skip
+    }
 
 
 def text_table(

@@ -14,7 +14,7 @@ STEP_FIELDS = (
     "step", "rank", "samples", "loss",
     "t_data", "t_injected", "t_forward", "t_backward", "t_sync", "t_wait", "t_comm", "t_optimizer", "t_step",
     "bytes_sent", "bytes_recv", "t_sync_enter", "t_sync_exit",
-)  # fmt: skip
+)
 
 
 def metrics_path(job_dir: Path, rank: int) -> Path:
@@ -63,7 +63,7 @@ class StepLog:
         os.replace(tmp, self.path)
 
 
-_OPEN: "weakref.WeakSet[StepLog]" = weakref.WeakSet()
+_OPEN: weakref.WeakSet[StepLog] = weakref.WeakSet()
 
 
 def flush_open_logs() -> None:

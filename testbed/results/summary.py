@@ -8,7 +8,7 @@ import platform
 import statistics
 from collections import Counter
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from omegaconf import OmegaConf
@@ -42,7 +42,7 @@ def versions() -> dict[str, str]:
     return facts
 
 
-def _spread(values: list[float]) -> dict[str, Optional[float]]:
+def _spread(values: list[float]) -> dict[str, float | None]:
     return {"median": percentile(values, 50), "p10": percentile(values, 10), "p90": percentile(values, 90)}
 
 
@@ -77,11 +77,11 @@ def _imbalance(rows: list[list[dict[str, Any]]], ranks: int) -> dict[str, Any]:
 def summarize(
     cfg: dict[str, Any],
     records_by_rank: list[list[dict[str, Any]]],
-    per_rank: Optional[list[dict[str, Any]]] = None,
-    sync_facts: Optional[dict[str, Any]] = None,
+    per_rank: list[dict[str, Any]] | None = None,
+    sync_facts: dict[str, Any] | None = None,
     status: str = "ok",
-    error: Optional[dict[str, Any]] = None,
-    label: Optional[str] = None,
+    error: dict[str, Any] | None = None,
+    label: str | None = None,
 ) -> dict[str, Any]:
     """Summary statistics over steady-state steps (warm-up excluded) of every rank; ``label`` names
     the synchronizer in tables and dashboards (its spec's label; default: its name)."""
@@ -101,7 +101,7 @@ def summarize(
     step_time = percentile(step_times, 50)
     per_rank_steps = [(row_r[0]["samples"], [r["t_step"] for r in row_r]) for row_r in zip(*rows)]
 
-    def paced(average: Any) -> Optional[float]:
+    def paced(average: Any) -> float | None:
         return sum(samples / average(times) for samples, times in per_rank_steps) if per_rank_steps else None
     summary: dict[str, Any] = {
         "status": status,
@@ -157,7 +157,7 @@ def summarize(
 
 
 def failed_summary(
-    job_dir: Path, cfg: dict[str, Any], error: dict[str, Any], waits_for_peers: bool, label: Optional[str] = None
+    job_dir: Path, cfg: dict[str, Any], error: dict[str, Any], waits_for_peers: bool, label: str | None = None
 ) -> dict[str, Any]:
     """Summary of a run that did not finish, from whatever step records its ranks wrote; ``error``
     gains ``step``, the step in progress when it failed (the steps every rank completed).

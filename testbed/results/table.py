@@ -9,7 +9,7 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from testbed.results.format import rows_frame, text_table
 from testbed.results.keys import run_key
@@ -18,10 +18,10 @@ COLUMNS = (
     ("sync", "sync"), ("n", "world_size"), ("status", "status"), ("samples/s", "throughput"), ("tokens/s", "tokens"),
     ("step ms", "step_ms"), ("sync ms", "sync_ms"), ("wait ms", "wait_ms"), ("imbalance", "imbalance"), ("speedup", "speedup"),
     ("efficiency", "efficiency"), ("MB/step", "mb_per_step"), ("loss", "final_loss"),
-)  # fmt: skip
+)
 
 
-def _ms(summary: dict[str, Any], phase: str) -> Optional[float]:
+def _ms(summary: dict[str, Any], phase: str) -> float | None:
     spread = (summary.get("phases") or {}).get(phase)
     return None if not spread or spread.get("median") is None else 1e3 * spread["median"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 log = logging.getLogger("testbed")
 
@@ -61,7 +61,7 @@ class WandbRun:
             metrics = {k: v for k, v in record.items() if k not in _SKIP and v is not None}
             self._guard("log", self.run.log, metrics)
 
-    def finish(self, summary: Optional[dict[str, Any]]) -> None:
+    def finish(self, summary: dict[str, Any] | None) -> None:
         if self.run is None:
             return
         run = self.run
@@ -73,7 +73,7 @@ class WandbRun:
 
 def summary_metrics(summary: dict[str, Any]) -> dict[str, Any]:
     """The scalar fields of summary.json, with phase medians as ``phases/<name>``."""
-    out = {k: v for k, v in summary.items() if isinstance(v, (int, float, str, bool)) or v is None}
+    out = {k: v for k, v in summary.items() if isinstance(v, int | float | str | bool) or v is None}
     for phase, spread in (summary.get("phases") or {}).items():
         out[f"phases/{phase}"] = spread.get("median")
     return out

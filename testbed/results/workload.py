@@ -9,13 +9,13 @@ bf16 tensor-core peak of a known CUDA device; on CPU it must be configured.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 # Dense bf16 peak TFLOP/s of one device, by a substring of torch.cuda.get_device_name (vendor sheets).
 CUDA_PEAK_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0), ("A10", 125.0), ("V100", 125.0))
 
 
-def device_peak_tflops(device: str) -> Optional[float]:
+def device_peak_tflops(device: str) -> float | None:
     if not device.startswith("cuda"):
         return None
     import torch
@@ -25,7 +25,7 @@ def device_peak_tflops(device: str) -> Optional[float]:
 
 
 def workload_throughput(
-    throughput: Optional[float], workload: Optional[dict[str, Any]], cfg: dict[str, Any], device: str
+    throughput: float | None, workload: dict[str, Any] | None, cfg: dict[str, Any], device: str
 ) -> dict[str, Any]:
     """``throughput_unit``, ``throughput_items`` (items/s) and, for language models with a known
     peak, ``flops_per_token``, ``peak_tflops`` and ``mfu``."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -26,7 +26,7 @@ from testbed.sim.step import simulate
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
-def main(cfg: DictConfig) -> Optional[dict[str, Any]]:
+def main(cfg: DictConfig) -> dict[str, Any] | None:
     hydra_cfg = HydraConfig.get()
     try:
         summary = simulate(cfg)

@@ -16,9 +16,10 @@ import math
 import re
 import statistics
 import sys
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 from scipy.optimize import nnls

@@ -11,8 +11,8 @@ direction of one full-duplex NIC; bytes are those crossing the busiest NIC in on
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 
 @dataclass(frozen=True)

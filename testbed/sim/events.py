@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
@@ -27,7 +28,6 @@ from scipy.optimize import bisect, brentq
 
 from testbed.imbalance import Injector
 from testbed.ps.modes import MODES, staleness_bound
-
 
 # --- compute times ------------------------------------------------------------------------------
 

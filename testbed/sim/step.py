@@ -19,10 +19,13 @@ run, so ``summary.json`` has the same fields (marked ``simulated``).
 
 from __future__ import annotations
 
+import functools
 import itertools
+import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -73,25 +76,33 @@ class Compute:
         return cls(per_sample * (1 - share), per_sample * share, 0.0, float(sim.optimizer_ms) / 1e3)
 
 
-def meta_model(cfg: Any) -> Optional[torch.nn.Module]:
-    """The run's model with shapes only (no memory, no initialization); None for a model the
-    testbed does not build (``sim.gradient_mb``)."""
+def _workload(cfg: Any) -> str | None:
+    """The model and data that fix the gradients, as a key; None for a model the testbed does not
+    build (``sim.gradient_mb``). A sweep predicts the same model at many points: it is built and
+    profiled once per process."""
     if cfg.sim.gradient_mb is not None:
         return None
-    with torch.device("meta"):
-        return build_model(cfg.model, spec_for(cfg.data))
+    parts = [OmegaConf.to_container(part, resolve=True, enum_to_str=True) for part in (cfg.model, cfg.data)]
+    return json.dumps(parts, sort_keys=True)
 
 
-def gradient_tensors(cfg: Any, model: Optional[torch.nn.Module] = None) -> list[int]:
+@functools.lru_cache(maxsize=16)
+def _meta_model(workload: str) -> torch.nn.Module:
+    model_cfg, data_cfg = (OmegaConf.create(part) for part in json.loads(workload))
+    with torch.device("meta"):  # shapes only: no memory, no initialization
+        return build_model(model_cfg, spec_for(data_cfg))
+
+
+def gradient_tensors(cfg: Any) -> list[int]:
     """Bytes of each gradient in the order backward produces them (the reverse of definition)."""
-    if cfg.sim.gradient_mb is not None:
+    workload = _workload(cfg)
+    if workload is None:
         count = int(cfg.sim.tensors)
         return [float(cfg.sim.gradient_mb) * 2**20 / count] * count
-    model = model if model is not None else meta_model(cfg)
-    return [p.numel() * p.element_size() for p in reversed(list(model.parameters())) if p.requires_grad]
+    return [p.numel() * p.element_size() for p in reversed(list(_meta_model(workload).parameters())) if p.requires_grad]
 
 
-def gradient_ready(cfg: Any, model: Optional[torch.nn.Module] = None) -> Optional[list[float]]:
+def gradient_ready(cfg: Any) -> list[float] | None:
     """For each gradient of ``gradient_tensors``, the share of backward done when it is complete.
 
     Backward visits the layers in reverse forward order, each taking time in proportion to its
@@ -101,10 +112,13 @@ def gradient_ready(cfg: Any, model: Optional[torch.nn.Module] = None) -> Optiona
     convolutions after them), an even rate of bytes over backward would place most communication
     late. None for a model the testbed does not build (``sim.gradient_mb``).
     """
-    if cfg.sim.gradient_mb is not None:
-        return None
-    spec = spec_for(cfg.data)
-    model = model if model is not None else meta_model(cfg)
+    workload = _workload(cfg)
+    return None if workload is None else list(_ready_shares(workload))
+
+
+@functools.lru_cache(maxsize=16)
+def _ready_shares(workload: str) -> tuple[float, ...]:
+    model, spec = _meta_model(workload), spec_for(OmegaConf.create(json.loads(workload)[1]))
     with torch.device("meta"):
         first_use: dict[str, int] = {}
 
@@ -127,7 +141,7 @@ def gradient_ready(cfg: Any, model: Optional[torch.nn.Module] = None) -> Optiona
         if name in first_use:
             for p in module.parameters(recurse=False):
                 ready[id(p)] = max(ready.get(id(p), 0.0), done_after[first_use[name]] / total)
-    return [ready.get(id(p), 1.0) for p in reversed(list(model.parameters())) if p.requires_grad]
+    return tuple(ready.get(id(p), 1.0) for p in reversed(list(model.parameters())) if p.requires_grad)
 
 
 def link_for(cfg: Any, impl: str) -> tuple[Link, dict[str, Any]]:
@@ -161,8 +175,8 @@ def _in_checkout(path: str) -> Path:
 
 def exposed_comm(
     buckets: list[float], cost_s: Callable[[float], float], backward_s: float, overlap: bool,
-    ready: Optional[list[float]] = None,
-) -> float:  # fmt: skip
+    ready: list[float] | None = None,
+) -> float:
     """Communication time not hidden behind backward.
 
     Without overlap every bucket runs after backward. With it, bucket j is ready once backward has
@@ -215,8 +229,7 @@ def predict(cfg: Any) -> Prediction:
     delays = compute_times(cfg.imbalance, n, steps, base, int(cfg.seed)) - np.array(base)
     work = np.array(base) + delays  # [steps, n]
 
-    model = meta_model(cfg)  # built once for the gradients' sizes and their readiness
-    tensors = gradient_tensors(cfg, model)
+    tensors = gradient_tensors(cfg)
     gradient_bytes = sum(tensors)
     spec = spec_of(sync.name)
     costing = spec.sim if spec.sim is not None and (n > 1 or spec.communicates_alone) else None
@@ -243,7 +256,7 @@ def predict(cfg: Any) -> Prediction:
         buckets = [sum(tensors[a:b]) for a, b in zip([0, *ends], ends)]
         overlap = costing.overlap(cfg)
         backward = per_sample[2] * max(sizes)  # the boundary micro-step's backward
-        shares = gradient_ready(cfg, model) if overlap else None
+        shares = gradient_ready(cfg) if overlap else None
         ready = [max(shares[a:b]) for a, b in zip([0, *ends], ends)] if shares else None
         facts.update(buckets=len(buckets), overlap=overlap, ready_from="flops" if ready else "bytes")
         wait, comm = _barrier(work, np.full(steps, True), np.full(steps, exposed_comm(buckets, cost_s, backward, overlap, ready)))
@@ -256,7 +269,7 @@ def _parameter_server(cfg: Any, work: np.ndarray, nbytes: float, link: Link) -> 
     own = link.alpha + nbytes * link.beta  # a worker's push (or pull) over its own link
     shard = nbytes / k * link.beta  # what each push (or pull) puts on every server's link
     trace = simulate_ps(work, push_s=own, pull_s=own, server_in_s=shard, server_out_s=shard,
-                        mode=str(cfg.sync.mode), staleness=int(cfg.sync.staleness))  # fmt: skip
+                        mode=str(cfg.sync.mode), staleness=int(cfg.sync.staleness))
     wait = trace.wait_s
     return wait, trace.step_s - work - wait
 
@@ -264,13 +277,13 @@ def _parameter_server(cfg: Any, work: np.ndarray, nbytes: float, link: Link) -> 
 def _records(
     cfg: Any, sizes: list[int], per_sample: list[float], optimizer_s: float, accumulate: int,
     delays: np.ndarray, wait: np.ndarray, comm: np.ndarray,
-) -> list[list[dict[str, Any]]]:  # fmt: skip
+) -> list[list[dict[str, Any]]]:
     data_s, forward_s, backward_s = per_sample
     out = []
     for rank, batch in enumerate(sizes):
         micro = accumulate * batch
         phases = {"t_data": micro * data_s, "t_forward": micro * forward_s, "t_backward": micro * backward_s,
-                  "t_optimizer": optimizer_s}  # fmt: skip
+                  "t_optimizer": optimizer_s}
         rows = []
         for t in range(delays.shape[0]):
             sync_s = float(wait[t, rank] + comm[t, rank])
@@ -279,7 +292,7 @@ def _records(
                 "t_injected": float(delays[t, rank]), "t_sync": sync_s, "t_wait": float(wait[t, rank]),
                 "t_comm": float(comm[t, rank]), "t_step": sum(phases.values()) + float(delays[t, rank]) + sync_s,
                 "bytes_sent": 0, "bytes_recv": 0, "t_sync_enter": None, "t_sync_exit": None,
-            })  # fmt: skip
+            })
         out.append(rows)
     return out
 
@@ -292,5 +305,5 @@ def simulate(cfg: Any) -> dict[str, Any]:
     prediction = predict(cfg)
     summary = summarize(plain, prediction.records, label=spec_of(cfg.sync.name).label(plain["sync"]))
     summary.update(simulated=True, final_loss=None, loss_first=None, gradient_bytes=prediction.facts["gradient_bytes"],
-                   sync_facts=prediction.facts)  # fmt: skip
+                   sync_facts=prediction.facts)
     return summary

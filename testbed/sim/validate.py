@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import OmegaConf
 
@@ -31,7 +31,7 @@ def _setting(overrides: list[str], drop_sync: bool) -> str:
     return run_key(overrides, ignore=("hydra.", *(("sync=",) if drop_sync else ())))
 
 
-def _single_worker(summary: dict[str, Any], singles: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+def _single_worker(summary: dict[str, Any], singles: list[dict[str, Any]]) -> dict[str, Any] | None:
     overrides = summary.get("overrides") or []
     setting, own = _setting(overrides, True), _setting(overrides, False)
     candidates = [s for s in singles if _setting(s.get("overrides") or [], True) == setting]
@@ -47,7 +47,7 @@ def _communicates(summary: dict[str, Any]) -> bool:
     return spec is not None and spec.sim is not None and (summary["world_size"] > 1 or spec.communicates_alone)
 
 
-def _predict(summary: dict[str, Any], calibration: str, compute_from: str, cores: Optional[int]) -> float:
+def _predict(summary: dict[str, Any], calibration: str, compute_from: str, cores: int | None) -> float:
     plain = dict(summary["config"])  # runs older than the `sim` node get its defaults
     plain["sim"] = {**asdict(config.SimConfig()), "calibration": calibration, "cores": cores, "compute_from": compute_from}
     try:
@@ -56,7 +56,7 @@ def _predict(summary: dict[str, Any], calibration: str, compute_from: str, cores
         return math.nan
 
 
-def validate(summaries: list[dict[str, Any]], calibration: str, cores: Optional[int]) -> list[dict[str, Any]]:
+def validate(summaries: list[dict[str, Any]], calibration: str, cores: int | None) -> list[dict[str, Any]]:
     """One row per measured run of ``summaries`` (testbed.results.summary.load_summaries, each with
     its ``job_dir``): sync option, world size, setting, measured and predicted step times."""
     summaries = [s for s in summaries if s.get("status") == "ok" and not s.get("simulated")]
@@ -76,7 +76,7 @@ def validate(summaries: list[dict[str, Any]], calibration: str, cores: Optional[
             "predicted": _predict(summary, calibration, summary["job_dir"], None),
             "predicted_single": _predict(summary, calibration, single["job_dir"], cores) if single else math.nan,
             "note": "" if communicates else "no communication",
-        })  # fmt: skip
+        })
     return rows
 
 

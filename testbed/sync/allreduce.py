@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,11 +24,11 @@ class NcclAlgo(enum.Enum):
 class AllReduceSyncConfig(BucketedSyncConfig):
     name: str = "allreduce"
     # Forces NCCL's algorithm (exported as NCCL_ALGO before the communicator exists); ignored by Gloo.
-    nccl_algo: Optional[NcclAlgo] = None
+    nccl_algo: NcclAlgo | None = None
 
 
 class NativeAllReduce(FlatGradSynchronizer):
-    def allreduce_(self, flat: torch.Tensor, scratch: Optional[torch.Tensor]) -> tuple[int, int]:
+    def allreduce_(self, flat: torch.Tensor, scratch: torch.Tensor | None) -> tuple[int, int]:
         n = self.world.world_size
         if n == 1:
             return 0, 0
@@ -53,4 +53,4 @@ NATIVE = SimModel(series=lambda cfg: "native", cost=lambda cfg: lambda s: ring(i
 SPEC = SyncSpec(
     name="allreduce", schema=AllReduceSyncConfig, impl=NativeAllReduce, sim=NATIVE,
     rank_env=lambda cfg: {"NCCL_ALGO": str(cfg.sync.nccl_algo)} if cfg.sync.get("nccl_algo") else {},
-)  # fmt: skip
+)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, ContextManager, Iterator, Optional
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -19,13 +20,13 @@ class SyncReport:
 
     bytes_sent: int = 0
     bytes_recv: int = 0
-    staleness: Optional[int] = None  # parameter servers: versions between pull and apply
+    staleness: int | None = None  # parameter servers: versions between pull and apply
     # Time blocked on slower ranks, when the synchronizer measures it itself (parameter servers);
     # None: derived from all ranks' arrival times after the run (testbed.timing).
-    t_wait: Optional[float] = None
+    t_wait: float | None = None
     # Busy communication time: how long collectives were in flight, overlapped with backward or not
     # (testbed.timing); None where the synchronizer cannot tell (DDP).
-    t_comm: Optional[float] = None
+    t_comm: float | None = None
     # The replicas' parameters are equal after this step, so their buffers are made equal too
     # (testbed.buffers); False for local steps, asynchronous updates and no synchronization.
     replicas_agree: bool = True
@@ -53,7 +54,7 @@ class Synchronizer(ABC):
         self.model, self.optimizer, self.world = model, optimizer, world
         self.module: nn.Module = model  # what the trainer runs forward through (a wrapper may replace it)
 
-    def micro_step(self, is_boundary: bool) -> ContextManager[None]:
+    def micro_step(self, is_boundary: bool) -> AbstractContextManager[None]:
         """Context around one micro-step's forward and backward (DDP must know during forward)."""
         return nullcontext()
 
@@ -88,7 +89,7 @@ class GradReadiness:
     def __init__(
         self, params: list[nn.Parameter], groups_of: Callable[[nn.Parameter], list[int]], groups: int,
         on_ready: Callable[[int], None],
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._groups_of = {id(p): groups_of(p) for p in params}
         self._needed = [0] * groups
         for members in self._groups_of.values():

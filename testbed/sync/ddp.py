@@ -8,9 +8,9 @@ is only the end of the step, and ``t_wait`` is 0 (DDP does not expose what it wa
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,7 +45,7 @@ class DdpSync(Synchronizer):
         n = world.world_size
         self.bytes_per_step = 2 * (n - 1) * gradient_bytes(model) // n  # what its ring all-reduce moves
 
-    def micro_step(self, is_boundary: bool) -> ContextManager[None]:
+    def micro_step(self, is_boundary: bool) -> AbstractContextManager[None]:
         # DDP decides during forward whether backward communicates.
         return nullcontext() if is_boundary else self.module.no_sync()
 
@@ -66,4 +66,4 @@ SPEC = SyncSpec(
     name="ddp", schema=DdpSyncConfig, impl=DdpSync,
     sim=SimModel(series=NATIVE.series, cost=NATIVE.cost, overlap=lambda cfg: True),  # DDP always overlaps
     check=lambda cfg: require(cfg.sync.bucket_mb > 0, f"sync.bucket_mb={cfg.sync.bucket_mb}: must be > 0 (DDP's bucket cap)"),
-)  # fmt: skip
+)

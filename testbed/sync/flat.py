@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import itertools
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from abc import abstractmethod
-from contextlib import nullcontext
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, ContextManager, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,11 +20,10 @@ from torch import nn
 from testbed.sync.base import GradReadiness, Synchronizer, SyncReport
 from testbed.world import World
 
-
 FIRST_BUCKET_BYTES = 2**20
 
 
-def bucket_ends(sizes: list[int], cap_bytes: Optional[float], first: bool = True) -> list[int]:
+def bucket_ends(sizes: list[int], cap_bytes: float | None, first: bool = True) -> list[int]:
     """Where buckets end (one past their last tensor) over tensors of ``sizes`` bytes, in the order
     backward produces them: a bucket closes once it holds ``cap_bytes`` (None: one bucket for all).
     As in DDP, the first bucket is small (1 MB) so that communication starts early; ``first`` says
@@ -92,7 +91,7 @@ class FlatGradSynchronizer(Synchronizer):
             self._launched: list[Future] = []
             self._readiness = GradReadiness(params, lambda p: bucket_of[id(p)], len(self.buckets), self._bucket_ready)
 
-    def micro_step(self, is_boundary: bool) -> ContextManager[None]:
+    def micro_step(self, is_boundary: bool) -> AbstractContextManager[None]:
         if not (self.overlap and is_boundary):
             return nullcontext()
         self._launched = []
@@ -129,12 +128,12 @@ class FlatGradSynchronizer(Synchronizer):
             bytes_sent=sum(r[0] for r in results), bytes_recv=sum(r[1] for r in results), t_comm=sum(r[2] for r in results)
         )
 
-    def make_scratch(self, bucket: torch.Tensor) -> Optional[torch.Tensor]:
+    def make_scratch(self, bucket: torch.Tensor) -> torch.Tensor | None:
         """Working memory the algorithm reuses every step for ``bucket`` (allocated once, at setup)."""
         return None
 
     @abstractmethod
-    def allreduce_(self, flat: torch.Tensor, scratch: Optional[torch.Tensor]) -> tuple[int, int]:
+    def allreduce_(self, flat: torch.Tensor, scratch: torch.Tensor | None) -> tuple[int, int]:
         """Sum ``flat`` across ranks in place; return (bytes sent, bytes received) by this rank."""
 
     def zero_grad(self) -> None:

@@ -8,7 +8,6 @@ of two; other world sizes fold their surplus ranks in first (testbed.collectives
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -27,7 +26,7 @@ class HalvingDoublingAllReduce(FlatGradSynchronizer):
     def make_scratch(self, flat: torch.Tensor) -> torch.Tensor:
         return torch.empty(max(1, scratch_elems(flat.numel(), self.world.world_size)), dtype=flat.dtype, device=flat.device)
 
-    def allreduce_(self, flat: torch.Tensor, scratch: Optional[torch.Tensor]) -> tuple[int, int]:
+    def allreduce_(self, flat: torch.Tensor, scratch: torch.Tensor | None) -> tuple[int, int]:
         traffic = halving_doubling_allreduce_(flat, scratch=scratch)
         return traffic.sent, traffic.recv
 
@@ -36,4 +35,4 @@ SPEC = SyncSpec(
     name="halving_doubling", schema=HalvingDoublingSyncConfig, impl=HalvingDoublingAllReduce,
     sim=SimModel(series=lambda cfg: "halving_doubling", cost=lambda cfg: lambda s: halving_doubling(int(cfg.world_size), s)),
     check=lambda cfg: require_gloo_cpu(cfg, "sync=halving_doubling"),
-)  # fmt: skip
+)

@@ -12,11 +12,12 @@ and apply them exactly as without overlap.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterator, Mapping, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,9 +48,9 @@ class PsSyncConfig(SyncBase):
     overlap: bool = False
     # TLS between workers and servers (PEM files): the servers' certificate and key, and the
     # authority that signed it, which workers verify the servers' addresses against.
-    tls_cert: Optional[str] = None
-    tls_key: Optional[str] = None
-    tls_ca: Optional[str] = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
 
 
 class ParameterServerSync(Synchronizer):
@@ -71,7 +72,7 @@ class ParameterServerSync(Synchronizer):
         self.bytes_per_step = numel * self.flat_params.element_size()
 
         self.client = PsClient(list(self.cfg.addresses), token_from_env(), world.rank, world.timeout_s,
-                               self.cfg.chunk_kb * 1024, tls_of(self.cfg)[2])  # fmt: skip
+                               self.cfg.chunk_kb * 1024, tls_of(self.cfg)[2])
         infos = self.client.register(wait_s=world.timeout_s)
         for i, info in enumerate(infos):
             if info.workers != world.world_size or info.mode != self.cfg.mode:
@@ -101,7 +102,7 @@ class ParameterServerSync(Synchronizer):
         self._launched: dict[int, Future] = {}
         self._readiness = GradReadiness(params, lambda p: shards_of[id(p)], len(bounds), self._launch)
 
-    def micro_step(self, is_boundary: bool) -> ContextManager[None]:
+    def micro_step(self, is_boundary: bool) -> AbstractContextManager[None]:
         if not (self.overlap and is_boundary):
             return nullcontext()
         self._launched = {}
@@ -173,7 +174,7 @@ def _check(cfg: Any) -> None:
     require(ps.servers >= 1, f"sync.servers={ps.servers}: must be >= 1")
     require(ps.staleness >= 0, f"sync.staleness={ps.staleness}: must be >= 0")
     require(1 <= ps.chunk_kb <= MAX_CHUNK_KB,
-            f"sync.chunk_kb={ps.chunk_kb}: must be in [1, {MAX_CHUNK_KB}] (chunks stay under the message limit)")  # fmt: skip
+            f"sync.chunk_kb={ps.chunk_kb}: must be in [1, {MAX_CHUNK_KB}] (chunks stay under the message limit)")
     require(
         not ps.addresses or len(ps.addresses) == ps.servers,
         f"sync.addresses has {len(ps.addresses)} entries but sync.servers={ps.servers}; give one host:port per server",
@@ -186,22 +187,22 @@ def _check(cfg: Any) -> None:
     if any(given.values()):
         missing = [k for k, v in given.items() if not v and (k == "tls_ca" or not ps.addresses)]
         require(not missing, f"sync.{', sync.'.join(missing)}: TLS needs the servers' certificate and key (servers "
-                             "started here) and the authority workers verify them with (tls_ca)")  # fmt: skip
+                             "started here) and the authority workers verify them with (tls_ca)")
         absent = [f"sync.{k}={v}" for k, v in given.items() if v and not Path(v).is_file()]
         require(not absent, f"{', '.join(absent)}: no such file")
     require(not (cfg.network.name == "emulated" and ps.addresses),
-            "network=emulated starts its own parameter servers inside the network; drop sync.addresses")  # fmt: skip
+            "network=emulated starts its own parameter servers inside the network; drop sync.addresses")
     if cfg.checkpoint.every or cfg.resume:
         require(ps.mode == "sync" and not ps.addresses,
                 "checkpoint/resume with sync=ps: the servers save their state in step with the workers in sync "
-                "mode, with servers the launcher starts; use sync.mode=sync without sync.addresses")  # fmt: skip
+                "mode, with servers the launcher starts; use sync.mode=sync without sync.addresses")
 
 
 @contextmanager
 def _start_servers(
-    plain: dict[str, Any], world_size: int, log_dir: Path, hosts: Optional[list[tuple[str, str]]],
-    saving: Optional[tuple[Path, int]], restore: Optional[Path],
-) -> Iterator[dict[str, str]]:  # fmt: skip
+    plain: dict[str, Any], world_size: int, log_dir: Path, hosts: list[tuple[str, str]] | None,
+    saving: tuple[Path, int] | None, restore: Path | None,
+) -> Iterator[dict[str, str]]:
     from testbed.ps.launch import LocalServers
     from testbed.ps.wire import TOKEN_ENV
 
@@ -224,6 +225,6 @@ SPEC = SyncSpec(
         start=_start_servers,
         apart="start the servers with python -m testbed.ps.server and pass sync.addresses=[host:port,...] "
               "(and TESTBED_PS_TOKEN on servers and workers)",
-    ),  # fmt: skip
+    ),
     communicates_alone=True,
-)  # fmt: skip
+)

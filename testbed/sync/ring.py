@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -24,7 +23,7 @@ class RingAllReduce(FlatGradSynchronizer):
         lo, hi = chunk_bounds(flat.numel(), self.world.world_size)[0]
         return torch.empty(max(1, hi - lo), dtype=flat.dtype, device=flat.device)
 
-    def allreduce_(self, flat: torch.Tensor, scratch: Optional[torch.Tensor]) -> tuple[int, int]:
+    def allreduce_(self, flat: torch.Tensor, scratch: torch.Tensor | None) -> tuple[int, int]:
         traffic = ring_allreduce_(flat, scratch=scratch)
         return traffic.sent, traffic.recv
 
@@ -32,4 +31,4 @@ class RingAllReduce(FlatGradSynchronizer):
 RING = SimModel(series=lambda cfg: "ring", cost=lambda cfg: lambda s: ring(int(cfg.world_size), s))
 
 SPEC = SyncSpec(name="ring", schema=RingSyncConfig, impl=RingAllReduce, sim=RING,
-                check=lambda cfg: require_gloo_cpu(cfg, "sync=ring"))  # fmt: skip
+                check=lambda cfg: require_gloo_cpu(cfg, "sync=ring"))

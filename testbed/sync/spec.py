@@ -10,9 +10,10 @@ builds it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
 from testbed.checks import require, resolved_backend, resolved_device
 from testbed.sim.costs import Cost
@@ -29,7 +30,7 @@ class SyncBase:
 class BucketedSyncConfig(SyncBase):
     # Gradients are all-reduced in buckets of this many MB, in the order backward produces them;
     # null: one bucket for all gradients; 0: one collective per tensor.
-    bucket_mb: Optional[float] = None
+    bucket_mb: float | None = None
     # Start each bucket's collective during backward, as soon as its gradients are ready.
     overlap: bool = False
 
@@ -73,10 +74,10 @@ class SyncSpec:
     name: str  # the Hydra option (sync=<name>)
     schema: type  # its structured config
     impl: type  # its Synchronizer, built on every rank
-    sim: Optional[SimModel]  # None: it never communicates
+    sim: SimModel | None  # None: it never communicates
     check: Callable[[Any], None] = lambda cfg: None  # semantic checks on the whole config
     label: Callable[[Mapping[str, Any]], str] = lambda sync: str(sync.get("name"))  # rows and dashboards
-    servers: Optional[Servers] = None
+    servers: Servers | None = None
     # Environment each rank sets before its process group exists (NCCL reads it there).
     rank_env: Callable[[Any], dict[str, str]] = lambda cfg: {}
     # A world of one still communicates (a parameter server is not a peer).

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -31,7 +32,7 @@ class TreeAllReduce(FlatGradSynchronizer):
     def make_scratch(self, flat: torch.Tensor) -> torch.Tensor:
         return torch.empty(SCRATCH_CHUNKS * self._chunk_elems(flat), dtype=flat.dtype, device=flat.device)
 
-    def allreduce_(self, flat: torch.Tensor, scratch: Optional[torch.Tensor]) -> tuple[int, int]:
+    def allreduce_(self, flat: torch.Tensor, scratch: torch.Tensor | None) -> tuple[int, int]:
         traffic = tree_allreduce_(flat, chunk_elems=self._chunk_elems(flat), double=self.cfg.double, scratch=scratch)
         return traffic.sent, traffic.recv
 
@@ -53,4 +54,4 @@ def _check(cfg: Any) -> None:
 
 
 SPEC = SyncSpec(name="tree", schema=TreeSyncConfig, impl=TreeAllReduce, check=_check,
-                sim=SimModel(series=lambda cfg: "tree", cost=_cost))  # fmt: skip
+                sim=SimModel(series=lambda cfg: "tree", cost=_cost))
