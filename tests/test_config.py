@@ -129,8 +129,10 @@ PRESETS = sorted(p.stem for p in (Path(config_dir()) / "experiment").glob("*.yam
 def test_every_preset_composes_and_validates_every_point(preset: str, tmp_path: Path) -> None:
     text = (Path(config_dir()) / "experiment" / f"{preset}.yaml").read_text()
     assert text.startswith("# @package _global_")
-    if f"python -m testbed.sim +experiment={preset}" in text:  # simulated: every point is predicted, in seconds
-        proc = run_cli([f"+experiment={preset}", "steps=4", "warmup_steps=1", f"hydra.sweep.dir={tmp_path}"],
+    if f"python -m testbed.sim +experiment={preset}" in text:
+        # Simulated: every point of every other axis is predicted at one world size (the sizes
+        # themselves are predicted in test_sim_step).
+        proc = run_cli([f"+experiment={preset}", "world_size=8", "steps=4", "warmup_steps=1", f"hydra.sweep.dir={tmp_path}"],
                        cwd=tmp_path, module="testbed.sim")
         assert proc.returncode == 0, proc.stderr[-2000:]
         return
