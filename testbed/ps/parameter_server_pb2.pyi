@@ -1,10 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -37,13 +36,13 @@ class TensorChunk(_message.Message):
     dtype: DType
     step: int
     data: bytes
-    def __init__(self, worker: int | None = ..., shard: int | None = ..., offset: int | None = ..., length: int | None = ..., dtype: DType | str | None = ..., step: int | None = ..., data: bytes | None = ...) -> None: ...
+    def __init__(self, worker: _Optional[int] = ..., shard: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., step: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker",)
     WORKER_FIELD_NUMBER: _ClassVar[int]
     worker: int
-    def __init__(self, worker: int | None = ...) -> None: ...
+    def __init__(self, worker: _Optional[int] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
     __slots__ = ("shard", "workers", "numel", "dtype", "mode", "staleness", "version")
@@ -61,7 +60,7 @@ class ShardInfo(_message.Message):
     mode: str
     staleness: int
     version: int
-    def __init__(self, shard: int | None = ..., workers: int | None = ..., numel: int | None = ..., dtype: DType | str | None = ..., mode: str | None = ..., staleness: int | None = ..., version: int | None = ...) -> None: ...
+    def __init__(self, shard: _Optional[int] = ..., workers: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("version", "staleness")
@@ -69,7 +68,7 @@ class PushReply(_message.Message):
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     version: int
     staleness: int
-    def __init__(self, version: int | None = ..., staleness: int | None = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., staleness: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("worker", "shard", "clock")
@@ -79,7 +78,7 @@ class PullRequest(_message.Message):
     worker: int
     shard: int
     clock: int
-    def __init__(self, worker: int | None = ..., shard: int | None = ..., clock: int | None = ...) -> None: ...
+    def __init__(self, worker: _Optional[int] = ..., shard: _Optional[int] = ..., clock: _Optional[int] = ...) -> None: ...
 
 class ClockRequest(_message.Message):
     __slots__ = ("worker", "advance")
@@ -87,7 +86,7 @@ class ClockRequest(_message.Message):
     ADVANCE_FIELD_NUMBER: _ClassVar[int]
     worker: int
     advance: bool
-    def __init__(self, worker: int | None = ..., advance: bool | None = ...) -> None: ...
+    def __init__(self, worker: _Optional[int] = ..., advance: _Optional[bool] = ...) -> None: ...
 
 class ClockReply(_message.Message):
     __slots__ = ("clocks", "version")
@@ -95,7 +94,7 @@ class ClockReply(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     clocks: _containers.RepeatedScalarFieldContainer[int]
     version: int
-    def __init__(self, clocks: _Iterable[int] | None = ..., version: int | None = ...) -> None: ...
+    def __init__(self, clocks: _Optional[_Iterable[int]] = ..., version: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
@@ -121,7 +120,7 @@ class StatsReply(_message.Message):
     pulls: int
     rejected: int
     apply_seconds: float
-    def __init__(self, version: int | None = ..., clocks: _Iterable[int] | None = ..., staleness_histogram: _Iterable[int] | None = ..., bytes_in: int | None = ..., bytes_out: int | None = ..., pushes: int | None = ..., pulls: int | None = ..., rejected: int | None = ..., apply_seconds: float | None = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., clocks: _Optional[_Iterable[int]] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., pushes: _Optional[int] = ..., pulls: _Optional[int] = ..., rejected: _Optional[int] = ..., apply_seconds: _Optional[float] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ()
