@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 from testbed import checkpoint, config
 from testbed.launch.existing import in_submitit_job, surrounding_world
 from testbed.launch.rank import rank_main
-from testbed.launch.spawn import RankFailure, spawn_world
+from testbed.launch.spawn import RankFailure, spawn_world, start_rank_server
 from testbed.netem import EmulatedNetwork
 from testbed.results.summary import failed_summary, summarize, write_summary
 from testbed.results.table import format_table, summary_row
@@ -66,6 +66,7 @@ def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path, identity: dict
     ranks; take all of it down again, whatever happens."""
     log.info("spawning %d rank(s): sync=%s model=%s data=%s -> %s", cfg.world_size, cfg.sync.name,
              cfg.model.name, cfg.data.name, job_dir)
+    start_rank_server(rank_main)  # its imports overlap with the network's and the servers' start
     spec = SYNCHRONIZERS[cfg.sync.name]
     servers = spec.local_servers(cfg)
     env: dict[str, str] = dict(DEBUG_ENV) if cfg.debug else {}  # C++ logging reads its level at import
@@ -88,7 +89,7 @@ def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path, identity: dict
             results = spawn_world(
                 rank_main, (plain, str(job_dir), identity), cfg.world_size, job_dir / "logs",
                 rendezvous_timeout_s=cfg.timeouts.rendezvous_s, echo_rank0=cfg.launcher.echo_rank0,
-                monitor_interval_s=cfg.launcher.monitor_interval_s, env=env,
+                monitor_interval_s=cfg.launcher.monitor_interval_s, env=env, fresh_interpreters=bool(cfg.debug),
             )
             return results[0]
     except RankFailure as failure:
