@@ -10,21 +10,29 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from testbed.config import ConfigError
-from testbed.launch.callbacks import SWEEP_JOBS_ENV
 from testbed.launch.existing import surrounding_world
-from testbed.launch.job import run_job
+from testbed.launch.rank_server import start_rank_server
 from testbed.paths import config_dir
-from testbed.preflight import check_command_line
+
+RANK_MODULE = "testbed.launch.rank"  # where rank_main lives: imported once, in the ranks' server
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def main(cfg: DictConfig) -> dict[str, Any] | None:
+    from testbed.launch.job import run_job
+
     return run_job(cfg)
 
 
 def cli() -> None:
     """Entry point: check every job of the command line, then hand over to Hydra."""
+    if surrounding_world() is None:
+        # This launcher will spawn its ranks: their server imports torch while the launcher does.
+        start_rank_server(RANK_MODULE)
+    from testbed.config import ConfigError
+    from testbed.launch.callbacks import SWEEP_JOBS_ENV
+    from testbed.preflight import check_command_line
+
     try:
         os.environ[SWEEP_JOBS_ENV] = str(check_command_line(sys.argv[1:]))  # for the sweep's progress line
     except ConfigError as exc:

@@ -188,8 +188,8 @@ def run_ps(n: int, k: int, sizes: list[int], warmup: int, iters: int, logs: Path
     for nbytes in sizes:
         cfg = {"servers": k, "mode": "sync", "staleness": 0, "chunk_kb": CHUNK_BYTES // 1024, "host": "127.0.0.1"}
         with LocalServers(cfg, SGD, n, logs / f"ps-n{n}-k{k}") as servers:
-            os.environ[TOKEN_ENV] = servers.token  # inherited by the workers
-            result = spawn_world(ps_worker, (servers.addresses, nbytes // 4, warmup, iters or default_iters(nbytes)), n, logs)
+            result = spawn_world(ps_worker, (servers.addresses, nbytes // 4, warmup, iters or default_iters(nbytes)), n,
+                                 logs, env={TOKEN_ENV: servers.token})
         out.append(result[0])
     return out
 

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import os
 
-from testbed.config import ConfigError
-from testbed.world import env_rank_layout
-
 
 def surrounding_world() -> tuple[int, int, int, int] | None:
     """(rank, local_rank, world_size, local_world_size) when launched inside a world, else None.
@@ -18,7 +15,7 @@ def surrounding_world() -> tuple[int, int, int, int] | None:
     """
     env = os.environ
     if "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env):
-        return env_rank_layout()
+        return _layout()
     if in_submitit_job():
         from submitit.helpers import TorchDistributedEnvironment
 
@@ -26,15 +23,25 @@ def surrounding_world() -> tuple[int, int, int, int] | None:
         # every task (or MASTER_PORT if set). CUDA_VISIBLE_DEVICES is left alone: ranks pick
         # cuda:LOCAL_RANK themselves.
         TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
-        return env_rank_layout()
+        return _layout()
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+            from testbed.checks import ConfigError
+
             raise ConfigError(
                 "running as a Slurm task: set MASTER_ADDR and MASTER_PORT (e.g. the first host of "
                 "SLURM_JOB_NODELIST and a free port) so that the tasks can meet"
             )
-        return env_rank_layout()
+        return _layout()
     return None
+
+
+def _layout() -> tuple[int, int, int, int]:
+    # Imported here: outside a world (the common case) this module loads nothing heavy, so that the
+    # launcher can ask before it imports torch.
+    from testbed.world import env_rank_layout
+
+    return env_rank_layout()
 
 
 def in_submitit_job() -> bool:

@@ -15,8 +15,9 @@ from omegaconf import DictConfig
 from testbed import checkpoint, config
 from testbed.launch.existing import in_submitit_job, surrounding_world
 from testbed.launch.rank import rank_main
-from testbed.launch.spawn import RankFailure, spawn_world, start_rank_server
+from testbed.launch.spawn import RankFailure, spawn_world
 from testbed.netem import EmulatedNetwork
+from testbed.rank_failure import lost_peer, root_cause
 from testbed.results.summary import failed_summary, summarize, write_summary
 from testbed.results.table import format_table, summary_row
 from testbed.stall import read_stall
@@ -66,7 +67,6 @@ def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path, identity: dict
     ranks; take all of it down again, whatever happens."""
     log.info("spawning %d rank(s): sync=%s model=%s data=%s -> %s", cfg.world_size, cfg.sync.name,
              cfg.model.name, cfg.data.name, job_dir)
-    start_rank_server(rank_main)  # its imports overlap with the network's and the servers' start
     spec = SYNCHRONIZERS[cfg.sync.name]
     servers = spec.local_servers(cfg)
     env: dict[str, str] = dict(DEBUG_ENV) if cfg.debug else {}  # C++ logging reads its level at import
@@ -119,6 +119,10 @@ def _with_overrides(job_dir: Path, summary: dict[str, Any] | None, hydra_cfg: An
 
 
 def _record_failure(job_dir: Path, plain: dict[str, Any], message: str, rank: int | None) -> dict[str, Any]:
+    if rank is not None and lost_peer(message):  # the agent found the peer of the failed rank first
+        cause = root_cause(job_dir / "logs")
+        if cause is not None:
+            message, rank = cause["message"], cause["rank"]
     error = failure_cause(message, rank, read_stall(job_dir / "logs"))
     spec = SYNCHRONIZERS[plain["sync"]["name"]]
     summary = failed_summary(job_dir, plain, error, spec.impl.waits_for_peers, spec.label(plain["sync"]))

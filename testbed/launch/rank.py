@@ -32,6 +32,7 @@ from testbed.imbalance import Injector, loss_weight, shard_batches
 from testbed.models import build_model, gradient_bytes, objective_batches, workload_facts
 from testbed.netem import enter_rank_namespace
 from testbed.optim import build_optimizer
+from testbed.rank_failure import LOST_PEER_GRACE_S, lost_peer, record_failure
 from testbed.results.step_log import StepLog, flush_open_logs, metrics_path
 from testbed.results.summary import summarize, write_summary
 from testbed.results.wandb_run import WandbRun
@@ -116,6 +117,11 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
                  "data": batches.describe()}
         summary = _finish(plain_cfg, world, model, sync, step_log, records, Path(job_dir), facts)
         return summary
+    except Exception as exc:
+        record_failure(Path(job_dir) / "logs", world.rank, exc)  # before the teardown below closes connections
+        if lost_peer(str(exc)):
+            time.sleep(LOST_PEER_GRACE_S)  # so that the launch agent finds the peer's death (a signal) first
+        raise
     finally:
         if arrivals:
             arrivals.close()

@@ -3,17 +3,11 @@
 Standalone c10d rendezvous on ``localhost:0``: the rendezvous store binds a fresh port per call, so
 consecutive or concurrent jobs can never join each other's world. ``max_restarts=0``: a failed rank
 fails the run, and the agent stops the remaining ranks.
-
-Ranks are forked from a server process that imported torch, ``torch._dynamo`` (which the first
-optimizer a rank builds imports: seconds of CPU) and the entry's module once per launcher, instead
-of each rank importing them afresh: on a small machine a sweep's jobs start in a fraction of a
-second instead of ten. A rank gets the launcher's environment either way (see ``_start_method``).
+Ranks are forked from a server that imported torch once (testbed.launch.rank_server).
 """
 
 from __future__ import annotations
 
-import multiprocessing
-import multiprocessing.forkserver
 import os
 import shutil
 import tempfile
@@ -27,6 +21,8 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from testbed.launch import rank_server
 
 
 @dataclass
@@ -61,7 +57,8 @@ def spawn_world(
     when ``echo_rank0``. Raises ``RankFailure`` naming the first failed rank.
     """
     log_dir.mkdir(parents=True, exist_ok=True)
-    start_method = "spawn" if fresh_interpreters else _start_method(entry)
+    if not fresh_interpreters:
+        rank_server.start_rank_server(entry.__module__)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -72,14 +69,14 @@ def spawn_world(
         rdzv_configs={"timeout": int(rendezvous_timeout_s), "join_timeout": int(rendezvous_timeout_s)},
         max_restarts=0,
         monitor_interval=monitor_interval_s,
-        start_method=start_method,
+        start_method="spawn" if fresh_interpreters else "forkserver",
         logs_specs=DefaultLogsSpecs(
             log_dir=str(log_dir), redirects=Std.ALL, tee={0: Std.ALL} if echo_rank0 else Std.NONE
         ),
     )
     try:
-        with _launch_environment(log_dir, env or {}) as rank_env:
-            return elastic_launch(config, _with_environment)(entry, rank_env, *args)
+        with _launch_environment(log_dir, env or {}) as environ:
+            return elastic_launch(config, _in_environment)(entry, environ, *args)
     except ChildFailedError as exc:
         # The earliest failure is the cause; the others are usually peers losing their connection.
         rank, failure = min(exc.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
@@ -90,29 +87,8 @@ def spawn_world(
         raise RankFailure(rank, message) from None
 
 
-_forkserver_environ: dict[str, str] | None = None  # the launcher's environment when its fork server started
-_PRELOAD = ["torch", "torch._dynamo"]
-
-
-def start_rank_server(entry: Callable[..., Any]) -> None:
-    """Start the fork server that ranks come from, with torch and ``entry``'s module imported, unless
-    it runs already; call it early to overlap its imports with the launcher's own start-up."""
-    global _forkserver_environ
-    if _forkserver_environ is None:
-        multiprocessing.set_forkserver_preload([*_PRELOAD, entry.__module__])
-        multiprocessing.forkserver.ensure_running()
-        _forkserver_environ = dict(os.environ)
-
-
-def _start_method(entry: Callable[..., Any]) -> str:
-    """``forkserver``; ``spawn`` when the launcher's environment has changed since the server
-    started, since a forked rank inherits the server's environment and only ``env`` is passed on."""
-    start_rank_server(entry)
-    return "forkserver" if dict(os.environ) == _forkserver_environ else "spawn"
-
-
-def _with_environment(entry: Callable[..., Any], env: dict[str, str], *args: Any) -> Any:
-    os.environ.update(env)
+def _in_environment(entry: Callable[..., Any], environ: dict[str, str], *args: Any) -> Any:
+    rank_server.adopt_environment(environ)
     return entry(*args)
 
 
@@ -120,7 +96,7 @@ def _with_environment(entry: Callable[..., Any], env: dict[str, str], *args: Any
 def _launch_environment(log_dir: Path, env: dict[str, str]) -> Iterator[dict[str, str]]:
     """Temporary files of the launch (torch's per-rank error files) go to, and go with, ``log_dir/tmp``;
     ranks start with one OpenMP thread until they size their own pools (threads_per_rank), and
-    get ``env``, which is yielded."""
+    get the launcher's environment with ``env`` added, which is yielded."""
     tmp = log_dir / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **env}
@@ -131,7 +107,7 @@ def _launch_environment(log_dir: Path, env: dict[str, str]) -> Iterator[dict[str
     tempfile.tempdir = str(tmp)
     os.environ.update(env)
     try:
-        yield env
+        yield dict(os.environ)
     finally:
         tempfile.tempdir = saved_tempdir
         os.environ.clear()
