@@ -53,8 +53,14 @@ SMOKE := tests/test_results_contract.py
 lint: $(STAMP)
 	$(BIN)/ruff check
 
+# Tests spend much of their time starting processes and waiting on sockets, so two run at once
+# even on two cores (a test module stays on one worker: its shared runs are made once); tests
+# that assert on measured time run after them, alone.
+TEST_WORKERS ?= 2
+
 test: lint
-	$(TEST_ENV) $(BIN)/python -m pytest -q --durations=25
+	$(TEST_ENV) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" --durations=25
+	$(TEST_ENV) $(BIN)/python -m pytest -q -m serial --durations=10
 
 test-fast: lint
 	$(TEST_ENV) $(BIN)/python -m pytest -q -m unit

@@ -22,7 +22,8 @@ def test_benchmark_records_and_table(tmp_path: Path) -> None:
     for r in records:
         assert FIELDS <= set(r) and r["correct"] is True
         assert 0 < r["time_min_s"] <= r["time_s"] and r["iters"] == 2
-    assert "ring/native" in proc.stdout and "tree/native" in proc.stdout
+        assert r["bound_fraction"] > 0 and r["link_beta_s"] > 0  # against the link calibrated in the same run
+    assert "ring/native" in proc.stdout and "tree/native" in proc.stdout and "tree of bound" in proc.stdout
 
     # Figure 2 and the alpha-beta fits from these records.
     figures = tmp_path / "fig2"

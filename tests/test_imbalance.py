@@ -114,6 +114,7 @@ def rank_steps(job: Path, rank: int, warmup: int = 5) -> list[float]:
     return [r["t_step"] for r in read_jsonl(job / "metrics" / f"rank{rank}.jsonl")[warmup:]]
 
 
+@pytest.mark.serial
 def test_a_straggler_slows_the_synchronous_step_and_shows_in_the_metrics(tmp_path: Path) -> None:
     base = run(tmp_path, "base", "sync=allreduce")
     slow = run(tmp_path, "slow", "sync=allreduce", "imbalance=straggler", "imbalance.ranks=[1]", "imbalance.slowdown=1.0")
@@ -129,6 +130,7 @@ def test_a_straggler_slows_the_synchronous_step_and_shows_in_the_metrics(tmp_pat
     assert slow["idle_fraction"] > base["idle_fraction"]
 
 
+@pytest.mark.serial
 def test_async_ps_spares_the_fast_rank_from_a_straggler(tmp_path: Path) -> None:
     straggler = ["imbalance=straggler", "imbalance.ranks=[1]", "imbalance.delay_ms=40"]
     sync = run(tmp_path, "sync", "sync=ps", "sync.mode=sync", *straggler)
@@ -139,6 +141,7 @@ def test_async_ps_spares_the_fast_rank_from_a_straggler(tmp_path: Path) -> None:
     assert fast_sync - fast_async >= 0.6 * 0.040  # in BSP the fast rank absorbs the whole delay
 
 
+@pytest.mark.serial
 def test_ssp_absorbs_jitter_that_bsp_waits_for(tmp_path: Path) -> None:
     # Exponential delays on both ranks: in BSP every pull waits for the later of the two pushes
     # (E[max - min] = the mean, 30 ms); with bounded staleness a rank that drew a short delay goes

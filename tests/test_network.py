@@ -18,10 +18,13 @@ from conftest import cli_env, load_params, read_json, run_cli
 
 from testbed.netem import parse_rate
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
-    reason="emulated networks need root and iproute2",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+        reason="emulated networks need root and iproute2",
+    ),
+    pytest.mark.serial,  # link rates measured; and every test checks that no namespace is left anywhere
+]
 
 
 def live_namespaces() -> set[str]:

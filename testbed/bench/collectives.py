@@ -3,7 +3,8 @@
 algbw = bytes / time; busbw = algbw * 2(n-1)/n, the per-rank link bandwidth an all-reduce of that
 speed needs with any point-to-point algorithm, so it is comparable across n and against the
 link's peak (nccl-tests' PERFORMANCE.md). Time is the slowest rank's, median over iterations, each
-started after a barrier.
+started after a barrier. ``bound_fraction`` is the algorithm's alpha-beta time on the link,
+calibrated in the same run, over the measured time (testbed.bench.bound).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from testbed.bench.bound import bound_fraction, fit_link, probe_link, probe_sizes
 from testbed.collectives import halving_doubling_allreduce_, ring_allreduce_, scratch_elems, tree_allreduce_
 from testbed.collectives.tree import SCRATCH_CHUNKS
 from testbed.netem import enter_rank_namespace
@@ -37,6 +39,9 @@ class BenchRecord:
     busbw: float  # bytes/s
     correct: bool
     iters: int
+    bound_fraction: float | None  # the algorithm's time on the calibrated link / time_s; None at n = 1
+    link_alpha_s: float | None  # that link: s per message
+    link_beta_s: float | None  # s per byte
 
 
 def default_iters(nbytes: int) -> int:
@@ -79,6 +84,7 @@ def bench_rank(
     torch.set_num_threads(1)
     results: list[dict] = []
     try:
+        link = fit_link(probe_link(probe_sizes(sizes), iters or 5, device)) if n > 1 else None
         for nbytes in sizes:
             numel = max(1, nbytes // 4)
             # Small integers keep every sum exact in float32, so correctness is equality, not tolerance.
@@ -107,8 +113,10 @@ def bench_rank(
                         times.append(float(elapsed.item()))
                 median = statistics.median(times)
                 algbw = numel * 4 / median
+                measured = {"impl": name, "world_size": n, "bytes": numel * 4, "time_s": median}
                 rec = BenchRecord(name, n, numel * 4, median, min(times), algbw, algbw * 2 * (n - 1) / n,
-                                  bool(flag.item() == 0), count)
+                                  bool(flag.item() == 0), count, link and bound_fraction(measured, link),
+                                  link and link.alpha, link and link.beta)
                 results.append(asdict(rec))
     finally:
         dist.destroy_process_group()

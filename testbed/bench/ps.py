@@ -6,7 +6,9 @@ correct``) with ``impl`` = ``ps_k{k}`` (k server shards, sync mode), ``grpc_raw`
 once: what gRPC in Python carries) and ``native`` (the backend's all-reduce, n >= 2). ``time_s``
 is the slowest worker's round (push, then pull), median over iterations each started after a
 barrier; algbw = bytes / time_s (time to synchronize a buffer, comparable across impls); busbw =
-bytes each worker sends / time_s (PS and raw: bytes; all-reduce: 2(n-1)/n bytes).
+bytes each worker sends / time_s (PS and raw: bytes; all-reduce: 2(n-1)/n bytes). Every record
+carries its algorithm's fraction of the alpha-beta bound on the link, which two ranks calibrate
+first (testbed.bench.bound).
 
   python -m testbed.bench.ps --workers 1,2,4 --servers 1,2,4 --sizes 1M,16M,64M --out ps.json
 """
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from testbed.bench.bound import bound_fraction, probe_sizes, probe_world_rank
 from testbed.bench.collectives import bench_rank, default_iters
 from testbed.bench.table import format_results, parse_bytes
 from testbed.collectives import chunk_bounds
@@ -40,6 +43,7 @@ from testbed.ps import parameter_server_pb2_grpc as pb_grpc
 from testbed.ps.client import PsClient
 from testbed.ps.launch import LocalServers, wait_healthy
 from testbed.ps.wire import CHANNEL_OPTIONS, TOKEN_ENV, auth_metadata, chunks, keep_freed_memory
+from testbed.sim.costs import Link
 
 CHUNK_BYTES = 1 << 20
 SGD = {"name": "sgd", "lr": 1.0, "momentum": 0.0, "weight_decay": 0.0, "nesterov": False}
@@ -218,12 +222,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="testbed-bench-ps-") as tmp:
         logs = Path(tmp)
         try:
+            link = Link(*spawn_world(probe_world_rank, (probe_sizes(sizes), args.iters or 5), 2, logs)[0])
             for n in workers:
                 records += run_raw(n, sizes, args.warmup, args.iters, logs)
                 for k in servers:
                     records += run_ps(n, k, sizes, args.warmup, args.iters, logs)
                 if n > 1 and not args.no_native:
                     records += spawn_world(bench_rank, (sizes, ["native"], args.iters, args.warmup, 1024, "gloo"), n, logs)[0]
+                for rec in records:  # the all-reduce baseline's came with its own calibration
+                    if "bound_fraction" not in rec:
+                        rec.update(bound_fraction=bound_fraction(rec, link), link_alpha_s=link.alpha, link_beta_s=link.beta)
                 if args.out:  # after each world size, so a later failure keeps what was measured
                     Path(args.out).write_text(json.dumps(records, indent=1) + "\n")
         except RankFailure as failure:

@@ -30,12 +30,14 @@ def size_series(lo: int, hi: int, factor: int) -> list[int]:
 
 
 def format_results(records: list[dict], impls: list[str]) -> str:
-    """One row per (world size, size): each impl's time (ms), busbw (GB/s) and correctness, then each
-    impl's time over the first's (testbed.results.format; ``-`` where an impl has no record)."""
+    """One row per (world size, size): each impl's time (ms), busbw (GB/s), fraction of its algorithm's
+    bound on the link (testbed.bench.bound) and correctness, then each impl's time over the first's
+    (testbed.results.format; ``-`` where an impl has no record or no bound)."""
     columns, formats = {"n": "n", "bytes": "bytes"}, {"bytes": human}
     for impl in impls:
-        columns.update({f"{impl} ms": f"{impl} ms", f"{impl} busbw": f"{impl} busbw GB/s", f"{impl} ok": f"{impl} ok"})
-        formats.update({f"{impl} ms": _fixed(3), f"{impl} busbw": _fixed(3)})
+        columns.update({f"{impl} ms": f"{impl} ms", f"{impl} busbw": f"{impl} busbw GB/s",
+                        f"{impl} bound": f"{impl} of bound", f"{impl} ok": f"{impl} ok"})
+        formats.update({f"{impl} ms": _fixed(3), f"{impl} busbw": _fixed(3), f"{impl} bound": _fixed(2)})
     for impl in impls[1:]:
         columns[f"{impl}/{impls[0]}"] = f"{impl}/{impls[0]}"
         formats[f"{impl}/{impls[0]}"] = _fixed(2)
@@ -45,6 +47,8 @@ def format_results(records: list[dict], impls: list[str]) -> str:
         row = {"n": n, "bytes": nbytes}
         for impl, r in by.items():
             row.update({f"{impl} ms": 1e3 * r["time_s"], f"{impl} busbw": r["busbw"] / 1e9, f"{impl} ok": r["correct"]})
+            if r.get("bound_fraction") is not None:
+                row[f"{impl} bound"] = r["bound_fraction"]
         base = by.get(impls[0])
         for impl in impls[1:]:
             if impl in by and base:
