@@ -88,6 +88,13 @@ def test_results_do_not_depend_on_the_network(tmp_path: Path) -> None:
     for a, b in (("loopback", "emulated"), ("ring-loopback", "ring-emulated")):
         pa, pb = load_params(tmp_path / a), load_params(tmp_path / b)
         assert all(bool((pa[k] == pb[k]).all()) for k in pa)  # same collectives, same order: bitwise equal
+    # The ring's own bound on this link, one bucket at n = 2: 2 messages of 1 ms and half the
+    # gradient each way; the measured busy time cannot beat it. Over loopback the link is unknown.
+    summary = read_json(tmp_path / "ring-emulated" / "summary.json")
+    bound = summary["sync_bound"]
+    assert bound["bound_s"] == pytest.approx(2e-3 + summary["gradient_bytes"] * 8 / 200e6)
+    assert 0.2 < bound["fraction"] <= 1.05, bound
+    assert read_json(tmp_path / "ring-loopback" / "summary.json")["sync_bound"] is None
 
 
 def test_a_failed_run_removes_its_network(tmp_path: Path) -> None:

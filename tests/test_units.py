@@ -163,7 +163,10 @@ def test_summary_arithmetic() -> None:
     assert summary["loss_first"] == 1.0 and summary["final_loss"] == 0.25
     assert summary["imbalance"] == pytest.approx(0.2 / 0.15 - 1)  # max / mean - 1 of compute
     assert summary["phases"]["t_forward"]["median"] == pytest.approx(0.075)  # warm-up step left out
-    assert summary["sync_label"] == "ring"
+    assert summary["sync_label"] == "ring" and summary["sync_bound"] is None  # no link known
+    # t_comm is t_step / 8 (warm-up step 0 left out): rank 0's 0.0125 s, rank 1's 0.025 s.
+    bound = summarize(cfg, records, comm_bound_s=0.01)["sync_bound"]
+    assert bound == {"bound_s": 0.01, "measured_s": pytest.approx(0.01875), "fraction": pytest.approx(0.01 / 0.01875)}
     # Steps a rank did not finish are not counted for anyone.
     summary = summarize(cfg, [records[0], records[1][:3]])
     assert summary["steps"] == 3 and summary["final_loss"] == pytest.approx(1 / 3)

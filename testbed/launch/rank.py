@@ -37,6 +37,7 @@ from testbed.results.step_log import StepLog, flush_open_logs, metrics_path
 from testbed.results.summary import summarize, write_summary
 from testbed.results.wandb_run import WandbRun
 from testbed.seeds import rank_seed
+from testbed.sim.step import communication_bound_s
 from testbed.stall import Arrivals, StallError
 from testbed.sync import spec_of
 from testbed.timing import fill_wait_from_latest
@@ -115,7 +116,8 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
             buffers.sync()  # the final model's buffers, whatever the last step was
         facts = {"workload": workload_facts(cfg.model, spec, model), "buffers": buffers.describe(),
                  "data": batches.describe()}
-        summary = _finish(plain_cfg, world, model, sync, step_log, records, Path(job_dir), facts)
+        bound = communication_bound_s(cfg) if world.is_main else None
+        summary = _finish(plain_cfg, world, model, sync, step_log, records, Path(job_dir), facts, bound)
         return summary
     except Exception as exc:
         record_failure(Path(job_dir) / "logs", world.rank, exc)  # before the teardown below closes connections
@@ -134,6 +136,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
 def _finish(
     plain_cfg: dict[str, Any], world: World, model: torch.nn.Module, sync: Any,
     step_log: StepLog, records: list[dict[str, Any]], job_dir: Path, run_facts: dict[str, Any],
+    comm_bound_s: float | None,
 ) -> dict[str, Any] | None:
     """After the last step: one all-reduce of enter times (for t_wait), then rank 0 gathers the records."""
     facts = {
@@ -156,7 +159,8 @@ def _finish(
         return None
     torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, job_dir / "model_final.pt")
     label = spec_of(plain_cfg["sync"]["name"]).label(plain_cfg["sync"])
-    summary = summarize(plain_cfg, [g[0] for g in gathered], [g[1] for g in gathered], sync.describe(), label=label)
+    summary = summarize(plain_cfg, [g[0] for g in gathered], [g[1] for g in gathered], sync.describe(), label=label,
+                        comm_bound_s=comm_bound_s)
     write_summary(job_dir, summary)
     return summary
 

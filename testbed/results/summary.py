@@ -82,9 +82,12 @@ def summarize(
     status: str = "ok",
     error: dict[str, Any] | None = None,
     label: str | None = None,
+    comm_bound_s: float | None = None,
 ) -> dict[str, Any]:
     """Summary statistics over steady-state steps (warm-up excluded) of every rank; ``label`` names
-    the synchronizer in tables and dashboards (its spec's label; default: its name)."""
+    the synchronizer in tables and dashboards (its spec's label; default: its name);
+    ``comm_bound_s``, one synchronizing step's communication at its alpha-beta bound on the link
+    (testbed.sim.step.communication_bound_s), is set against the measured busy time."""
     warmup = int(cfg["warmup_steps"])
     world_size = int(cfg["world_size"])
     common = set.intersection(*(set(r["step"] for r in recs) for recs in records_by_rank)) if records_by_rank else set()
@@ -124,6 +127,7 @@ def summarize(
     ]
     summary["phases"] = {f"t_{p}": _spread([r[f"t_{p}"] for row in rows for r in row]) for p in names}
     summary.update(_imbalance(rows, len(records_by_rank)))
+    summary["sync_bound"] = _bound(rows, comm_bound_s)
     sent = [sum(r["bytes_sent"] for r in row) for row in rows]
     summary["bytes_per_step"] = (statistics.median(sent) / world_size) if sent else None  # per rank
     summary["bytes_per_step_total"] = statistics.median(sent) if sent else None
@@ -154,6 +158,16 @@ def summarize(
     summary["config_hash"] = config_hash(cfg)
     summary["config"] = cfg
     return summary
+
+
+def _bound(rows: list[list[dict[str, Any]]], bound_s: float | None) -> dict[str, float] | None:
+    """The bound over the median busy communication (``t_comm``) of the steps that communicated;
+    None without a bound or where the synchronizer cannot see its communication (DDP)."""
+    busy = [r["t_comm"] for row in rows for r in row if r.get("t_comm")]
+    if bound_s is None or not busy:
+        return None
+    measured = statistics.median(busy)
+    return {"bound_s": bound_s, "measured_s": measured, "fraction": bound_s / measured}
 
 
 def failed_summary(

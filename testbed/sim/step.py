@@ -167,6 +167,30 @@ def link_for(cfg: Any, impl: str) -> tuple[Link, dict[str, Any]]:
     return Link(float(sim.alpha_us) / 1e6, 8.0 / bits), {"source": "nominal", "rate": rate, "alpha_us": sim.alpha_us}
 
 
+def communication_bound_s(cfg: Any) -> float | None:
+    """The busy communication of one synchronizing step at the synchronizer's own alpha-beta cost on
+    the configured emulated link (alpha: its latency; beta: its rate), bucket by bucket where it
+    buckets: what a run's measured busy time is set against (summary.json's ``sync_bound``). None
+    where the link is not known (loopback, a real network), nothing is communicated, or a step's
+    communication is not one worker's to bound: a parameter server's push queues behind the other
+    workers' at the server (its bound is in the PS benchmark, testbed.bench.ps)."""
+    if cfg.network.name != "emulated":
+        return None
+    spec = spec_of(cfg.sync.name)
+    if spec.sim is None or spec.sim.schedule == "clocks" or int(cfg.world_size) == 1:
+        return None
+    link = Link(float(cfg.network.latency_ms) / 1e3, 8.0 / parse_rate(str(cfg.network.bandwidth)))
+    cost = spec.sim.cost(cfg)
+    tensors = gradient_tensors(cfg)
+    ends = _bucket_ends(cfg, tensors) if spec.sim.schedule == "buckets" else [len(tensors)]
+    return sum(cost(sum(tensors[a:b])).time(link) for a, b in zip([0, *ends], ends))
+
+
+def _bucket_ends(cfg: Any, tensors: list[int]) -> list[int]:
+    cap = cfg.sync.get("bucket_mb")
+    return bucket_ends(tensors, None if cap is None else float(cap) * 2**20)
+
+
 def _in_checkout(path: str) -> Path:
     """``path`` as given, or relative to the checkout (where presets name shipped calibrations)."""
     given = Path(path)
@@ -250,9 +274,7 @@ def predict(cfg: Any) -> Prediction:
         meet = np.array([costing.meets(cfg, t) for t in range(steps)])
         wait, comm = _barrier(work, meet, np.where(meet, cost_s(gradient_bytes), 0.0))
     else:  # buckets, every step
-        cap = sync.get("bucket_mb")
-        cap_bytes = None if cap is None else float(cap) * 2**20
-        ends = bucket_ends(tensors, cap_bytes)
+        ends = _bucket_ends(cfg, tensors)
         buckets = [sum(tensors[a:b]) for a, b in zip([0, *ends], ends)]
         overlap = costing.overlap(cfg)
         backward = per_sample[2] * max(sizes)  # the boundary micro-step's backward
