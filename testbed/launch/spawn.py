@@ -2,8 +2,8 @@
 
 Standalone c10d rendezvous on ``localhost:0``: the rendezvous store binds a fresh port per call, so
 consecutive or concurrent jobs can never join each other's world. ``max_restarts=0``: a failed rank
-fails the run, and the agent stops the remaining ranks.
-Ranks are forked from a server that imported torch once (testbed.launch.rank_server).
+fails the run, and the agent stops the remaining ranks. Ranks are forked from a server that
+imported torch once (testbed.launch.rank_server).
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ def spawn_world(
         with _launch_environment(log_dir, env or {}) as environ:
             return elastic_launch(config, _in_environment)(entry, environ, *args)
     except ChildFailedError as exc:
-        # The earliest failure is the cause; the others are usually peers losing their connection.
+        # The agent reports the first failed rank it finds; when that one only lost a peer, the
+        # launcher reads the cause from the ranks' own records (testbed.rank_failure).
         rank, failure = min(exc.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
         if failure.exitcode < 0:
             message = f"killed by signal {failure.signal_name()} (pid {failure.pid})"
