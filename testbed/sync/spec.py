@@ -97,7 +97,3 @@ def require_gloo_cpu(cfg: Any, what: str) -> None:
             f"{what} runs over Gloo on CPU tensors; use device=cpu (or sync=allreduce for NCCL)",
         )
 
-
-def require_chunk_kb(cfg: Any) -> None:
-    require(cfg.sync.chunk_kb >= 1, f"sync.chunk_kb={cfg.sync.chunk_kb}: must be >= 1")
-

@@ -9,10 +9,11 @@ from typing import Any
 
 import torch
 
+from testbed.checks import require
 from testbed.collectives.tree import SCRATCH_CHUNKS, tree_allreduce_
 from testbed.sim.costs import Cost, pipelined_tree, two_tree_reduce_broadcast
 from testbed.sync.flat import FlatGradSynchronizer
-from testbed.sync.spec import BucketedSyncConfig, SimModel, SyncSpec, require_chunk_kb, require_gloo_cpu
+from testbed.sync.spec import BucketedSyncConfig, SimModel, SyncSpec, require_gloo_cpu
 
 
 @dataclass
@@ -49,7 +50,7 @@ def _cost(cfg: Any) -> Callable[[float], Cost]:
 
 
 def _check(cfg: Any) -> None:
-    require_chunk_kb(cfg)
+    require(cfg.sync.chunk_kb >= 1, f"sync.chunk_kb={cfg.sync.chunk_kb}: must be >= 1")
     require_gloo_cpu(cfg, "sync=tree")
 
 
