@@ -106,12 +106,14 @@ def test_benchmark_table() -> None:
         return {"impl": impl, "world_size": n, "bytes": nbytes, "time_s": t, "busbw": 2e9, "correct": True}
 
     records = [rec("native", 2, 4096, 1e-3), rec("ring", 2, 4096, 2.5e-3), rec("ring", 3, 1 << 20, 0.0125)]
+    records[1]["bound_fraction"] = 0.8  # records from before the bound was measured have none
     lines = format_results(records, ["native", "ring"]).splitlines()
-    assert lines[0].split() == ["n", "bytes", "native", "ms", "native", "busbw", "GB/s", "native", "ok",
-                                "ring", "ms", "ring", "busbw", "GB/s", "ring", "ok", "ring/native"]
+    assert lines[0].split() == ["n", "bytes", "native", "ms", "native", "busbw", "GB/s", "native", "of", "bound",
+                                "native", "ok", "ring", "ms", "ring", "busbw", "GB/s", "ring", "of", "bound", "ring", "ok",
+                                "ring/native"]
     assert len(lines) == 3  # no rule under the titles (nccl-tests style)
-    assert lines[1].split() == ["2", "4K", "1.000", "2.000", "True", "2.500", "2.000", "True", "2.50"]
-    assert lines[2].split() == ["3", "1M", "-", "-", "-", "12.500", "2.000", "True", "-"]  # fixed decimals, not the rule's
+    assert lines[1].split() == ["2", "4K", "1.000", "2.000", "-", "True", "2.500", "2.000", "0.80", "True", "2.50"]
+    assert lines[2].split() == ["3", "1M", "-", "-", "-", "-", "12.500", "2.000", "-", "True", "-"]  # fixed decimals
     assert all(len(line) == len(lines[0]) for line in lines)
 
 
