@@ -18,9 +18,11 @@ SIZES = [1, 2, 3, 5, 17, 1000, 4099]
 def exactness_rank(sizes: list[int]) -> list[tuple[str, int, bool, int, int]]:
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
+    second = dist.new_group()
     algorithms = {
         "ring": lambda b: ring_allreduce_(b),
         "tree": lambda b: tree_allreduce_(b, chunk_elems=7),
+        "tree-two-groups": lambda b: tree_allreduce_(b, chunk_elems=7, second_group=second),
         "tree-single": lambda b: tree_allreduce_(b, chunk_elems=5, double=False),
         "tree-one-chunk": lambda b: tree_allreduce_(b, chunk_elems=1 << 20),
         "halving_doubling": lambda b: halving_doubling_allreduce_(b),

@@ -55,7 +55,9 @@ def default_iters(nbytes: int) -> int:
     return 5
 
 
-def _impl(name: str, numel: int, device: torch.device, tree_chunk_elems: int) -> Callable[[torch.Tensor], None]:
+def _impl(
+    name: str, numel: int, device: torch.device, tree_chunk_elems: int, second_group: dist.ProcessGroup
+) -> Callable[[torch.Tensor], None]:
     if name == "native":
         return lambda buf: dist.all_reduce(buf)
     if name == "ring":
@@ -63,7 +65,7 @@ def _impl(name: str, numel: int, device: torch.device, tree_chunk_elems: int) ->
         return lambda buf: ring_allreduce_(buf, scratch=scratch) and None
     if name == "tree":
         scratch = torch.empty(SCRATCH_CHUNKS * tree_chunk_elems, device=device)
-        return lambda buf: tree_allreduce_(buf, chunk_elems=tree_chunk_elems, scratch=scratch) and None
+        return lambda buf: tree_allreduce_(buf, chunk_elems=tree_chunk_elems, scratch=scratch, second_group=second_group) and None
     if name == "halving_doubling":
         scratch = torch.empty(scratch_elems(numel, dist.get_world_size()), device=device)
         return lambda buf: halving_doubling_allreduce_(buf, scratch=scratch) and None
@@ -83,6 +85,7 @@ def bench_rank(
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     torch.set_num_threads(1)
     results: list[dict] = []
+    second_group = dist.new_group()  # the tree's second tree on its own connections (testbed.collectives.tree)
     try:
         link = fit_link(probe_link(probe_sizes(sizes), iters or 5, device)) if n > 1 else None
         for nbytes in sizes:
@@ -92,7 +95,7 @@ def bench_rank(
             expected = (torch.arange(numel, dtype=torch.float32, device=device) % 997) * n + n * (n - 1) / 2
             buf = torch.empty_like(pattern)
             for name in impls:
-                run = _impl(name, numel, device, max(1, tree_chunk_kb * 256))
+                run = _impl(name, numel, device, max(1, tree_chunk_kb * 256), second_group)
                 buf.copy_(pattern)
                 run(buf)
                 correct = torch.equal(buf, expected)

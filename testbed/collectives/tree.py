@@ -5,6 +5,17 @@ binary tree, Sanders et al. 2009): a rank that is an inner node in one tree is a
 so per-rank traffic stays close to the ring's while latency grows with log2(n), not n. Chunking
 pipelines the levels: a rank forwards chunk c while its children send chunk c + 1, so time is
 about 2(h + C)(alpha + beta M / C) for height h and C chunks instead of 2 h M beta.
+
+Two ranks that are parent and child in one tree are often child and parent in the other, so both
+directions of their connection carry a stream of chunks at once. Gloo sends a message only once
+the receiver has said its receive is posted, and that word travels on the same TCP connection as
+the data going the other way: queued behind megabytes of the other tree's chunks, it stalled the
+sender for tens of milliseconds at a time, and the two trees took turns on the links (n = 4 over
+1 Gbit: 0.69-0.82 of the bound). Given ``second_group`` (a process group over the same ranks,
+hence its own connections), the second tree's messages travel there, as NCCL gives each tree its
+own channel (0.80-0.88 of the bound). Running reduce and broadcast at once, as NCCL does, was
+measured too and lost (0.66-0.78): from one thread, a wait for a broadcast chunk holds up the
+reduce behind it.
 """
 
 from __future__ import annotations
@@ -68,6 +79,7 @@ class _Lane:
     segment: torch.Tensor
     chunks: list[tuple[int, int]]
     tag: int  # reduce uses tag, broadcast tag + 1, so lanes and phases never match each other's messages
+    group: dist.ProcessGroup | None
 
 
 def tree_allreduce_(
@@ -76,10 +88,12 @@ def tree_allreduce_(
     chunk_elems: int = 1 << 18,
     double: bool = True,
     scratch: torch.Tensor | None = None,
+    second_group: dist.ProcessGroup | None = None,
 ) -> Traffic:
     """Sum ``buf`` (1-D, contiguous) across ``group`` in place.
 
-    ``scratch`` needs ``SCRATCH_CHUNKS * chunk_elems`` elements and is reused when given.
+    ``scratch`` needs ``SCRATCH_CHUNKS * chunk_elems`` elements and is reused when given;
+    ``second_group`` (same ranks as ``group``, see the module's docstring) carries the second tree.
     """
     n = dist.get_world_size(group)
     rank = dist.get_rank(group)
@@ -92,7 +106,8 @@ def tree_allreduce_(
     lanes = []
     for i, ((parent, children), segment) in enumerate(zip(trees, segments)):
         count = max(1, -(-segment.numel() // chunk_elems))
-        lanes.append(_Lane(glob(parent), [glob(c) for c in children], segment, chunk_bounds(segment.numel(), count), 2 * i))
+        lane_group = second_group if i and second_group is not None else group
+        lanes.append(_Lane(glob(parent), [glob(c) for c in children], segment, chunk_bounds(segment.numel(), count), 2 * i, lane_group))
     chunk_elems = min(chunk_elems, max(1, -(-buf.numel() // len(trees))))  # no chunk beyond a segment
     scratch = scratch_for(scratch, buf, SCRATCH_CHUNKS * chunk_elems)
     esize = buf.element_size()
@@ -112,7 +127,7 @@ def tree_allreduce_(
         posted = []
         for k, child in enumerate(lanes[li].children):
             slot = scratch[((li * 2 + k) * 2 + c % 2) * chunk_elems :][:size]
-            posted.append((dist.irecv(slot, child, group, tag=lanes[li].tag), slot))
+            posted.append((dist.irecv(slot, child, lanes[li].group, tag=lanes[li].tag), slot))
             traffic.recv += size * esize
         return posted
 
@@ -123,7 +138,7 @@ def tree_allreduce_(
     for li, c in order:
         if not lanes[li].children:
             link_delay()
-            pending.append(dist.isend(part(li, c), lanes[li].parent, group, tag=lanes[li].tag))
+            pending.append(dist.isend(part(li, c), lanes[li].parent, lanes[li].group, tag=lanes[li].tag))
             traffic.sent += part(li, c).numel() * esize
 
     # Reduce: add the children's chunk, pass it up without waiting for the send; the next chunk's
@@ -137,7 +152,7 @@ def tree_allreduce_(
             target.add_(slot)
         if lanes[li].parent >= 0:
             link_delay()
-            pending.append(dist.isend(target, lanes[li].parent, group, tag=lanes[li].tag))
+            pending.append(dist.isend(target, lanes[li].parent, lanes[li].group, tag=lanes[li].tag))
             traffic.sent += target.numel() * esize
         posted = following
     for work in pending:
@@ -150,14 +165,14 @@ def tree_allreduce_(
     arriving = {}
     for li, c in order:
         if lanes[li].parent >= 0:
-            arriving[li, c] = dist.irecv(part(li, c), lanes[li].parent, group, tag=lanes[li].tag + 1)
+            arriving[li, c] = dist.irecv(part(li, c), lanes[li].parent, lanes[li].group, tag=lanes[li].tag + 1)
             traffic.recv += part(li, c).numel() * esize
     for li, c in inner:
         if (li, c) in arriving:
             arriving.pop((li, c)).wait()
         for child in lanes[li].children:
             link_delay()
-            pending.append(dist.isend(part(li, c), child, group, tag=lanes[li].tag + 1))
+            pending.append(dist.isend(part(li, c), child, lanes[li].group, tag=lanes[li].tag + 1))
             traffic.sent += part(li, c).numel() * esize
     for work in [*arriving.values(), *pending]:
         work.wait()

@@ -8,24 +8,32 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from testbed.checks import require
 from testbed.collectives.tree import SCRATCH_CHUNKS, tree_allreduce_
 from testbed.sim.costs import Cost, pipelined_tree, two_tree_reduce_broadcast
 from testbed.sync.flat import FlatGradSynchronizer
 from testbed.sync.spec import BucketedSyncConfig, SimModel, SyncSpec, require_gloo_cpu
+from testbed.world import World
 
 
 @dataclass
 class TreeSyncConfig(BucketedSyncConfig):
     name: str = "tree"
     # Pipelining granularity: the buffer moves up and down the tree in chunks of this size.
-    chunk_kb: int = 1024
+    chunk_kb: int = 512
     # Two complementary binary trees, each carrying half the buffer (NCCL's double binary tree).
     double: bool = True
 
 
 class TreeAllReduce(FlatGradSynchronizer):
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> None:
+        super().setup(model, optimizer, world)
+        # The second tree's own connections (testbed.collectives.tree says why).
+        self.second_group = dist.new_group() if self.cfg.double and world.world_size > 1 else None
+
     def _chunk_elems(self, flat: torch.Tensor) -> int:
         # Capped at half the buffer (each tree's segment), so small gradients get small scratch.
         return max(1, min(self.cfg.chunk_kb * 1024 // flat.element_size(), -(-flat.numel() // 2)))
@@ -34,7 +42,8 @@ class TreeAllReduce(FlatGradSynchronizer):
         return torch.empty(SCRATCH_CHUNKS * self._chunk_elems(flat), dtype=flat.dtype, device=flat.device)
 
     def allreduce_(self, flat: torch.Tensor, scratch: torch.Tensor | None) -> tuple[int, int]:
-        traffic = tree_allreduce_(flat, chunk_elems=self._chunk_elems(flat), double=self.cfg.double, scratch=scratch)
+        traffic = tree_allreduce_(flat, chunk_elems=self._chunk_elems(flat), double=self.cfg.double, scratch=scratch,
+                                  second_group=self.second_group)
         return traffic.sent, traffic.recv
 
     def describe(self) -> dict[str, Any]:
