@@ -67,6 +67,7 @@ class StepClock:
         if self.cuda:
             self._events = [torch.cuda.Event(enable_timing=True) for _ in range(self.max_marks + 1)]
         self._names: list[str] = []
+        self._checked: tuple[str, ...] = ()
         self._marks: list[float] = []
         self._start_wall = 0.0
 
@@ -90,9 +91,11 @@ class StepClock:
             self._marks.append(time.perf_counter())
 
     def finish(self) -> StepTimes:
-        missing = set(PHASES) - set(self._names)
-        if missing or not set(self._names) <= set(PHASES):
-            raise RuntimeError(f"StepClock: marked {self._names}; every phase of {PHASES} is needed, no others")
+        names = tuple(self._names)
+        if names != self._checked:  # the same sequence every step: checked once
+            if set(names) != set(PHASES):
+                raise RuntimeError(f"StepClock: marked {list(names)}; every phase of {PHASES} is needed, no others")
+            self._checked = names
         if self.cuda:
             events = self._events[: len(self._names) + 1]
             events[-1].synchronize()
