@@ -7,7 +7,7 @@ plain, the median over pairs (target >= 0.97): a shared machine's speed drifts b
 within a minute, so only runs next to each other in time are compared; the throughputs printed
 are each path's best repeat.
 
-Example: python -m testbed.bench.overhead model=resnet18 data=image_folder data.root=DIR --steps 50
+Example: python -m testbed.bench.overhead model=resnet18 data=image_folder data.root=DIR --steps 5 --repeats 20
 """
 
 from __future__ import annotations
@@ -119,8 +119,8 @@ def measure(overrides: list[str], steps: int, repeats: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m testbed.bench.overhead", description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=cnn data.batch_size=64")
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
