@@ -365,3 +365,11 @@ def test_the_testbeds_two_tree_all_reduce():
     assert two_tree_reduce_broadcast(1, 16 * MIB, MIB) == Cost(0.0, 0.0, 0.0)
     with pytest.raises(ValueError, match="chunk_bytes"):
         two_tree_reduce_broadcast(4, 16 * MIB, 0)
+
+
+def test_calibration_models_the_tree_at_the_chunk_its_record_names():
+    record = {"impl": "tree", "world_size": 4, "bytes": 16 << 20}
+    older = calibrate.model(record)  # written before records carried the chunk: the bench's 1 MiB then
+    assert older == two_tree_reduce_broadcast(4, 16 << 20, 1 << 20)
+    assert calibrate.model({**record, "tree_chunk_kb": 256}) == two_tree_reduce_broadcast(4, 16 << 20, 256 << 10)
+    assert calibrate.model({**record, "tree_chunk_kb": 256}) != older

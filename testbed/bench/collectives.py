@@ -42,6 +42,7 @@ class BenchRecord:
     bound_fraction: float | None  # the algorithm's time on the calibrated link / time_s; None at n = 1
     link_alpha_s: float | None  # that link: s per message
     link_beta_s: float | None  # s per byte
+    tree_chunk_kb: int  # the tree's pipelining chunk (the simulator's calibration models it)
 
 
 def default_iters(nbytes: int) -> int:
@@ -119,7 +120,7 @@ def bench_rank(
                 measured = {"impl": name, "world_size": n, "bytes": numel * 4, "time_s": median}
                 rec = BenchRecord(name, n, numel * 4, median, min(times), algbw, algbw * 2 * (n - 1) / n,
                                   bool(flag.item() == 0), count, link and bound_fraction(measured, link),
-                                  link and link.alpha, link and link.beta)
+                                  link and link.alpha, link and link.beta, tree_chunk_kb)
                 results.append(asdict(rec))
     finally:
         dist.destroy_process_group()

@@ -28,7 +28,7 @@ from testbed.results.step_log import metrics_path, read_step_log
 from testbed.sim.costs import Cost, Link, halving_doubling, parameter_server, ring, two_tree_reduce_broadcast
 
 DEFAULT_LINK = "loopback"  # records written before the bench kept a link key were all loopback
-TREE_CHUNK_BYTES = 1 << 20  # the bench's default --tree-chunk-kb 1024
+TREE_CHUNK_BYTES = 1 << 20  # the bench's chunk for records without tree_chunk_kb (written before it was recorded)
 # Smaller messages are left out of fits by default: on emulated links they pass wholly or partly
 # within the shaper's burst (64 KiB, or rate/500: 250 KB at 1 Gbit/s) at memory speed, which no
 # alpha-beta line describes.
@@ -66,7 +66,8 @@ def model(record: dict[str, Any], tree_chunk_bytes: int = TREE_CHUNK_BYTES) -> C
     if impl in ("native", "ring"):
         return ring(n, nbytes)
     if impl == "tree":
-        return two_tree_reduce_broadcast(n, nbytes, tree_chunk_bytes)
+        chunk = record["tree_chunk_kb"] * 1024 if "tree_chunk_kb" in record else tree_chunk_bytes
+        return two_tree_reduce_broadcast(n, nbytes, chunk)
     if impl == "halving_doubling":
         return halving_doubling(n, nbytes)
     if impl == "grpc_raw":
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m testbed.sim.calibrate", description=__doc__.splitlines()[0])
     parser.add_argument("bench", nargs="+", help="JSON records of python -m testbed.bench or testbed.bench.ps")
     parser.add_argument("--out", default="", help="write the fits here (e.g. calibration.json)")
-    parser.add_argument("--tree-chunk-kb", type=int, default=TREE_CHUNK_BYTES // 1024, help="as given to the bench")
+    parser.add_argument("--tree-chunk-kb", type=int, default=TREE_CHUNK_BYTES // 1024, help="as given to the bench, for records that do not say")
     parser.add_argument("--min-kb", type=int, default=MIN_BYTES // 1024, help="leave smaller messages out of the fits")
     args = parser.parse_args(argv)
     if args.tree_chunk_kb < 1:
