@@ -42,7 +42,7 @@ def test_gradient_sizes_come_from_the_model_without_building_it() -> None:
 
 def test_buckets_follow_the_synchronizer_rule() -> None:
     mb = 2**20
-    assert bucket_ends([mb // 2, mb // 2 + 1, 2 * mb, 3 * mb], 4 * mb) == [2, 4]  # the first bucket closes at 1 MB
+    assert bucket_ends([mb // 2, mb // 2 + 1, 3 * mb, 3 * mb], 4 * mb) == [3, 4]  # closed once it holds the cap
     assert bucket_ends([mb] * 3, 0) == [1, 2, 3]  # 0: one per tensor
     assert bucket_ends([mb] * 3, None) == [3]  # null: one for all
 

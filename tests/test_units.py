@@ -17,7 +17,7 @@ from testbed.results.step_log import StepLog, read_step_log
 from testbed.results.summary import summarize
 from testbed.sync import build_synchronizer
 from testbed.sync.base import GradReadiness
-from testbed.sync.flat import FIRST_BUCKET_BYTES, bucket_ends
+from testbed.sync.flat import bucket_ends, busy_time
 from testbed.trainer import Trainer
 from testbed.world import World
 
@@ -118,13 +118,32 @@ def test_flat_buffers_view_the_gradients_in_buckets(world: World) -> None:
 
 
 def test_bucket_plan() -> None:
-    # The first bucket closes at 1 MB (communication starts early), later ones at the cap.
-    assert bucket_ends([MB // 2] * 8, 2 * MB) == [2, 6, 8]
-    assert bucket_ends([MB // 2] * 8, 2 * MB, first=False) == [4, 8]
+    # A bucket closes once it holds the cap, the first one too.
+    assert bucket_ends([MB // 2] * 8, 2 * MB) == [4, 8]
+    assert bucket_ends([MB // 2] * 9, 2 * MB) == [4, 8, 9]
     assert bucket_ends([MB // 2] * 8, None) == [8]  # one bucket
     assert bucket_ends([10, 20, 30], 0) == [1, 2, 3]  # one per tensor
-    assert bucket_ends([3 * MB, 10], 25 * MB) == [1, 2]  # a tensor larger than the first bucket is one
-    assert FIRST_BUCKET_BYTES == MB
+    assert bucket_ends([3 * MB, 10, 3 * MB], 2 * MB) == [1, 3]  # a tensor over the cap closes its bucket
+
+
+def test_bucket_plan_is_ddps(world: World) -> None:
+    """torch's DDP given the same cap rebuilds its buckets after the first step into the same ones."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512), nn.Linear(512, 3))
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1.5, gradient_as_bucket_view=True)
+    for _ in range(3):  # rebuilt in the forward of the second step, reported after the third
+        ddp(torch.ones(2, 64)).sum().backward()
+    rebuilt = [int(size) for size in ddp._get_ddp_logging_data()["rebuilt_bucket_sizes"].split(",")]
+    sizes = [p.numel() * 4 for p in reversed(list(model.parameters()))]
+    ends = bucket_ends(sizes, 1.5 * MB)
+    assert [sum(sizes[a:b]) for a, b in zip([0, *ends], ends)] == rebuilt and len(rebuilt) > 1
+
+
+def test_busy_time_is_the_union_of_flights() -> None:
+    assert busy_time([]) == 0.0
+    assert busy_time([(0.0, 1.0), (1.0, 3.0)]) == 3.0  # one after another: the sum
+    assert busy_time([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]) == 4.0  # two in flight at once count once
+    assert busy_time([(0.0, 4.0), (1.0, 2.0)]) == 4.0
 
 
 def test_readiness_fires_each_group_once_in_backward_order() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from testbed.sim.costs import ring
-from testbed.sync.flat import FlatGradSynchronizer
+from testbed.sync.flat import FlatGradSynchronizer, Traffic
 from testbed.sync.spec import BucketedSyncConfig, SimModel, SyncSpec
 
 
@@ -29,12 +30,21 @@ class AllReduceSyncConfig(BucketedSyncConfig):
 
 class NativeAllReduce(FlatGradSynchronizer):
     def allreduce_(self, flat: torch.Tensor, scratch: torch.Tensor | None) -> tuple[int, int]:
-        n = self.world.world_size
-        if n == 1:
+        if self.world.world_size == 1:
             return 0, 0
         dist.all_reduce(flat)
+        return self._moved(flat)
+
+    def launch(self, index: int) -> _AsyncAllReduce:
+        # Straight to the backend, which runs it on its own threads (Gloo) or stream (NCCL), as DDP
+        # does: several buckets can be in flight at once, and no Python thread is woken per bucket.
+        flat = self.buckets[index].view
+        return _AsyncAllReduce(dist.all_reduce(flat, async_op=True), *self._moved(flat))
+
+    def _moved(self, flat: torch.Tensor) -> tuple[int, int]:
         # The backend does not report its traffic; count what a bandwidth-optimal algorithm (ring)
         # must move, 2(n-1)/n of the buffer each way, which Gloo's and NCCL's ring do move.
+        n = self.world.world_size
         moved = 2 * (n - 1) * flat.numel() * flat.element_size() // n
         return moved, moved
 
@@ -45,6 +55,23 @@ class NativeAllReduce(FlatGradSynchronizer):
             facts["nccl_algo"] = os.environ.get("NCCL_ALGO", "auto")
             facts["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version()))
         return facts
+
+
+class _AsyncAllReduce:
+    """An all-reduce the backend runs; completion is stamped by the backend's own callback."""
+
+    def __init__(self, work: dist.Work, sent: int, recv: int) -> None:
+        self._work, self._sent, self._recv = work, sent, recv
+        self._start = time.perf_counter()
+        self._end: float | None = None
+        work.get_future().add_done_callback(self._done)
+
+    def _done(self, _future: torch.futures.Future) -> None:
+        self._end = time.perf_counter()
+
+    def result(self) -> Traffic:
+        self._work.wait()
+        return Traffic(self._sent, self._recv, self._start, self._end or time.perf_counter())
 
 
 # Gloo's all-reduce of large buffers is a ring; the calibration fits the backend's own as "native".

@@ -61,6 +61,13 @@ class DdpSync(Synchronizer):
     def describe(self) -> dict[str, Any]:
         return {"bucket_mb": float(self.cfg.bucket_mb), "backend": self.world.backend}
 
+    def close(self) -> None:
+        # Drop DDP while the process group is still registered. Its reducer holds the group; were
+        # the reducer's reference the last, the group would be destroyed inside the reducer's
+        # destructor, which joins Gloo's worker threads holding the GIL while one of them may need
+        # it to free a finished collective's tensor: a rank hung at exit that way.
+        self.module = self.model
+
 
 SPEC = SyncSpec(
     name="ddp", schema=DdpSyncConfig, impl=DdpSync,

@@ -9,10 +9,10 @@ from __future__ import annotations
 import itertools
 import time
 from abc import abstractmethod
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -20,24 +20,48 @@ from torch import nn
 from testbed.sync.base import GradReadiness, Synchronizer, SyncReport
 from testbed.world import World
 
-FIRST_BUCKET_BYTES = 2**20
 
-
-def bucket_ends(sizes: list[int], cap_bytes: float | None, first: bool = True) -> list[int]:
+def bucket_ends(sizes: list[int], cap_bytes: float | None) -> list[int]:
     """Where buckets end (one past their last tensor) over tensors of ``sizes`` bytes, in the order
     backward produces them: a bucket closes once it holds ``cap_bytes`` (None: one bucket for all).
-    As in DDP, the first bucket is small (1 MB) so that communication starts early; ``first`` says
-    whether these tensors open the first bucket. The simulator plans buckets with the same rule."""
+    torch's DDP given a ``bucket_cap_mb`` cuts its buckets by the same rule, the first included (its
+    1 MiB first bucket applies only when the cap is left at its default), so the two compare on
+    the same buckets. The simulator plans buckets with this rule too."""
     ends, filled = [], 0
     for i, size in enumerate(sizes):
         filled += size
-        limit = cap_bytes if (ends or not first or cap_bytes is None) else min(cap_bytes, FIRST_BUCKET_BYTES)
-        if limit is not None and filled >= limit:
+        if cap_bytes is not None and filled >= cap_bytes:
             ends.append(i + 1)
             filled = 0
     if not ends or ends[-1] != len(sizes):
         ends.append(len(sizes))
     return ends
+
+
+@dataclass
+class Traffic:
+    """One bucket's collective: bytes this rank sent and received, and when it ran (perf_counter)."""
+
+    sent: int
+    recv: int
+    start: float
+    end: float
+
+
+class InFlight(Protocol):
+    """A launched collective: ``result()`` waits for it and returns its Traffic."""
+
+    def result(self) -> Traffic: ...
+
+
+def busy_time(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``intervals``: how long at least one collective was in flight."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 @dataclass
@@ -55,9 +79,14 @@ class FlatGradSynchronizer(Synchronizer):
     collective runs on a contiguous slice with no packing copy (DDP's gradient_as_bucket_view).
     Parameters are laid out in reverse registration order, roughly the order backward produces
     their gradients, and cut into buckets of ``sync.bucket_mb`` (null: one bucket per buffer; 0:
-    one per tensor). With ``sync.overlap`` a bucket's collective starts on a communication thread
-    as soon as backward has produced all its gradients, in bucket order on every rank, and the step
-    waits only for what is still in flight; without it the buckets run one by one after backward.
+    one per tensor). With ``sync.overlap`` a bucket's collective starts as soon as backward has
+    produced all its gradients, in bucket order on every rank, and the step waits only for what is
+    still in flight; without it the buckets run one by one after backward. Where the collective
+    runs is the algorithm's (``launch``): the testbed's own algorithms on a communication thread
+    of this process, the backend's asynchronously on its own threads, as DDP runs them.
+
+    The mean is taken before the sum, as DDP takes it, a bucket at a time just before its
+    collective: the division of every bucket but the last hides behind backward.
     """
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> None:
@@ -79,7 +108,7 @@ class FlatGradSynchronizer(Synchronizer):
                 offset += p.numel()
             offsets = list(itertools.accumulate((p.numel() for p in group), initial=0))
             start = 0
-            for end in bucket_ends([p.numel() * flat.element_size() for p in group], cap_bytes, first=not self.buckets):
+            for end in bucket_ends([p.numel() * flat.element_size() for p in group], cap_bytes):
                 self.buckets.append(Bucket(flat[offsets[start] : offsets[end]], group[start:end]))
                 start = end
             self.buffers.append(flat)
@@ -88,7 +117,7 @@ class FlatGradSynchronizer(Synchronizer):
         if self.overlap:
             self._comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comm")
             bucket_of = {id(p): [i] for i, b in enumerate(self.buckets) for p in b.params}
-            self._launched: list[Future] = []
+            self._launched: list[InFlight] = []
             self._readiness = GradReadiness(params, lambda p: bucket_of[id(p)], len(self.buckets), self._bucket_ready)
 
     def micro_step(self, is_boundary: bool) -> AbstractContextManager[None]:
@@ -101,14 +130,22 @@ class FlatGradSynchronizer(Synchronizer):
         # Launch in bucket order only, so that every rank issues the same collectives in the same order.
         remaining = self._readiness.remaining
         while len(self._launched) < len(self.buckets) and remaining[len(self._launched)] == 0:
-            self._launched.append(self._comm.submit(self._run_bucket, len(self._launched)))
+            self._launched.append(self._start(len(self._launched)))
 
     # --- the step --------------------------------------------------------------------------------
 
-    def _run_bucket(self, index: int) -> tuple[int, int, float]:
+    def _start(self, index: int) -> InFlight:
+        self.buckets[index].view.div_(self.world.world_size)
+        return self.launch(index)
+
+    def launch(self, index: int) -> InFlight:
+        """Start bucket ``index``'s collective during backward, where the algorithm runs it."""
+        return self._comm.submit(self._timed, index)
+
+    def _timed(self, index: int) -> Traffic:
         start = time.perf_counter()
         sent, recv = self.allreduce_(self.buckets[index].view, self.scratch[index])
-        return sent, recv, time.perf_counter() - start
+        return Traffic(sent, recv, start, time.perf_counter())
 
     def after_backward(self, step: int, is_boundary: bool = True) -> SyncReport:
         if not is_boundary:  # accumulate locally; communicate once per window
@@ -117,16 +154,15 @@ class FlatGradSynchronizer(Synchronizer):
             return SyncReport(t_comm=0.0)
         if self.overlap:
             for index in range(len(self._launched), len(self.buckets)):  # parameters backward did not reach
-                self._launched.append(self._comm.submit(self._run_bucket, index))
-            results = [future.result() for future in self._launched]
+                self._launched.append(self._start(index))
+            results = [flight.result() for flight in self._launched]
         else:
-            results = [self._run_bucket(index) for index in range(len(self.buckets))]
-        for flat in self.buffers:
-            flat.div_(self.world.world_size)
-        # One communication thread runs the buckets one at a time: busy time is the sum.
-        return SyncReport(
-            bytes_sent=sum(r[0] for r in results), bytes_recv=sum(r[1] for r in results), t_comm=sum(r[2] for r in results)
-        )
+            results = []
+            for index, bucket in enumerate(self.buckets):
+                bucket.view.div_(self.world.world_size)
+                results.append(self._timed(index))
+        return SyncReport(bytes_sent=sum(r.sent for r in results), bytes_recv=sum(r.recv for r in results),
+                          t_comm=busy_time([(r.start, r.end) for r in results]))
 
     def make_scratch(self, bucket: torch.Tensor) -> torch.Tensor | None:
         """Working memory the algorithm reuses every step for ``bucket`` (allocated once, at setup)."""
