@@ -74,6 +74,23 @@ def test_ps_is_bound_by_the_server_link(tmp_path: Path) -> None:
     assert summary["sync_facts"]["addresses"][0].startswith("10.78.0.")
 
 
+def test_sharded_ps_scales_with_its_server_links(tmp_path: Path) -> None:
+    out = tmp_path / "ps.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "testbed.bench.ps", "--workers", "2", "--servers", "1,2", "--sizes", "1M",
+         "--iters", "3", "--warmup", "1", "--no-native", "--bandwidth", "100mbit", "--out", str(out)],
+        capture_output=True, text=True, env=cli_env(), timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = {r["impl"]: r for r in json.loads(out.read_text())}
+    assert all(r["correct"] and r["link"] == "100mbit" for r in records.values())
+    # One server link carries both workers' pushes and pulls; two halve it: the bound's 2x, which
+    # the shaped links enforce whatever the machine's load (the ratio is paired round by round).
+    assert records["ps_k2"]["bound_scaling"] > 1.9
+    assert 1 / records["ps_k2"]["paired"]["ps_k1"] >= 0.8 * records["ps_k2"]["bound_scaling"]
+    assert records["ps_k1"]["bound_fraction"] > 0.8
+
+
 def test_results_do_not_depend_on_the_network(tmp_path: Path) -> None:
     # Overlapped buckets, accumulation and a straggler, over loopback and over shaped links with latency.
     args = ["sync=allreduce", "sync.overlap=true", "sync.bucket_mb=0.1", "sync.accumulate=2", "world_size=2",

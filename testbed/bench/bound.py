@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from scipy.optimize import nnls
 
+from testbed.netem.rank import enter_rank_namespace
 from testbed.sim.costs import Cost, Link, halving_doubling, parameter_server, ring, two_tree_reduce_broadcast
 
 PROBE_MIN_BYTES = 1 << 20  # smaller transfers pass within an emulated link's burst (testbed.sim.calibrate)
@@ -107,7 +108,8 @@ def probe_link(sizes: list[int], iters: int, device: torch.device) -> list[tuple
 
 def probe_world_rank(sizes: list[int], iters: int) -> tuple[float, float]:
     """A two-rank world that only calibrates the link (for benchmarks whose own worlds may hold one
-    rank): returns (alpha, beta)."""
+    rank): returns (alpha, beta), over the emulated link when the launcher made a network."""
+    enter_rank_namespace()
     dist.init_process_group("gloo")
     try:
         link = fit_link(probe_link(sizes, iters, torch.device("cpu")))

@@ -32,7 +32,8 @@ def size_series(lo: int, hi: int, factor: int) -> list[int]:
 def format_results(records: list[dict], impls: list[str]) -> str:
     """One row per (world size, size): each impl's time (ms), busbw (GB/s), fraction of its algorithm's
     bound on the link (testbed.bench.bound) and correctness, then each impl's time over the first's
-    (testbed.results.format; ``-`` where an impl has no record or no bound)."""
+    (testbed.results.format; ``-`` where an impl has no record or no bound): the median of paired
+    rounds where the two ran interleaved in one world (a record's ``paired``), else of medians."""
     columns, formats = {"n": "n", "bytes": "bytes"}, {"bytes": human}
     for impl in impls:
         columns.update({f"{impl} ms": f"{impl} ms", f"{impl} busbw": f"{impl} busbw GB/s",
@@ -52,7 +53,8 @@ def format_results(records: list[dict], impls: list[str]) -> str:
         base = by.get(impls[0])
         for impl in impls[1:]:
             if impl in by and base:
-                row[f"{impl}/{impls[0]}"] = by[impl]["time_s"] / base["time_s"]
+                paired = by[impl].get("paired", {}).get(impls[0])
+                row[f"{impl}/{impls[0]}"] = paired if paired is not None else by[impl]["time_s"] / base["time_s"]
         rows.append(row)
     return text_table(rows_frame(rows, list(columns)), columns, formats, rule=False)
 

@@ -27,6 +27,10 @@ from testbed.netem.rank import NETNS_ENV
 SUBNET = "10.78.0"
 INTERFACE = "eth0"
 MAX_ENDPOINTS = 250
+# Each shaped port queues up to this much of its line rate (tbf's latency). At 5 ms (62 KB at
+# 100 Mbit) the pushes of two workers converging on one server overflowed it, and the lost packets
+# stalled for TCP's 200 ms minimum retransmission timeout: the sharded PS measured half its bound.
+QUEUE = "20ms"
 _NAME = re.compile(r"^tb(\d+)n\d+-")
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$")
 _UNIT = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
@@ -136,7 +140,7 @@ class EmulatedNetwork:
     def _build(self) -> None:
         # tbf needs a bucket of at least one timer tick of traffic; 2 ms of line rate, >= 64 KiB.
         burst = str(max(64 * 1024, int(self.rate_bps / 8 / 500)))
-        shape = ["root", "tbf", "rate", self.bandwidth, "burst", burst, "latency", "5ms"]
+        shape = ["root", "tbf", "rate", self.bandwidth, "burst", burst, "latency", QUEUE]
         self._add_namespace(self.switch)
         _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
         _run("ip", "-n", self.switch, "link", "set", "br0", "up")

@@ -3,6 +3,9 @@
 Modes (``--mode``):
 - ``sync`` (BSP): pushes for a step are staged until all workers have pushed; then their mean is
   applied in one optimizer step and the waiting pulls are released. This is all-reduce training.
+  The step runs partition by partition (the pull's chunks) on a thread of its own, and a pull
+  sends each partition as soon as it is updated, so the update overlaps the pulls instead of
+  delaying them.
 - ``async`` (ASP): each push is applied on arrival, scaled by 1/workers so that a round of pushes
   moves the parameters as far as one synchronous step.
 - ``ssp``: applied on arrival as in async, but a worker's pull blocks while its clock (pushes made)
@@ -52,6 +55,7 @@ from testbed.ps.wire import (
     TOKEN_HEADER,
     Chunk,
     byte_view,
+    chunk_ranges,
     copy_in,
     decode_chunk,
     encoded_chunks,
@@ -82,10 +86,18 @@ class Shard:
         self.version = 0
         self.clocks = [0] * workers
         self.pending: set[int] = set()  # sync: workers whose push for the current step is staged
+        # Each worker's staged push, one tensor per partition: views of the received chunks.
+        self.staged: list[list[torch.Tensor]] = [[] for _ in range(workers)]
         self.pushing: set[int] = set()  # workers with a push stream in progress
         self.histogram: Counter[int] = Counter()
         self.stats = Counter()  # bytes_in, bytes_out, pushes, pulls, rejected
         self.apply_seconds = 0.0
+        # The shard in partitions of chunk_bytes (the pull's chunks), each with an optimizer of its
+        # own: both optimizers are elementwise, so stepping the partitions is stepping the whole.
+        self.parts: list[tuple[int, int]] = []
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.applied = 0  # sync: partitions updated to the current version (all of them when idle)
+        self.apply_error = ""
         # sync mode: write the state after every `checkpoint_every`-th update to
         # <checkpoint_dir>/step<version - 1>/ps<shard>.pt, beside the workers' checkpoint of that step.
         self.checkpoint_dir: Path | None = None
@@ -107,38 +119,44 @@ class Shard:
                 values = torch.empty(numel, dtype=dtype)
             except (RuntimeError, MemoryError):
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"InitParams: cannot hold {numel} elements of {dtype}") from None
-            self._receive("InitParams", first, stream, values, worker_bound=1, same=("step",),
-                          changed="every chunk must carry the same size")
+            self._receive("InitParams", first, stream, numel, dtype, worker_bound=1, same=("step",),
+                          changed="every chunk must carry the same size",
+                          take=lambda chunk: copy_in(values, chunk.offset, chunk.data))
             self._hold(values)
             self.stats["bytes_in"] += numel * values.element_size()
         return self.info()
 
-    def _receive(self, rpc: str, first: Chunk, rest: Iterator[Chunk], into: torch.Tensor, worker_bound: int,
-                 same: tuple[str, ...], changed: str) -> None:
-        """Validate the chunk stream ``first, *rest`` and copy it into ``into`` (1-D, its size and
-        dtype are the stream's): chunks in order without gaps that fill ``into`` exactly, from
-        workers below ``worker_bound``, each with the fields ``same`` of the first chunk (else
-        refused as "<rpc>: <changed>"). A refusal may leave ``into`` partly written."""
-        numel, dtype, expected = into.numel(), into.dtype, 0
+    def _receive(self, rpc: str, first: Chunk, rest: Iterator[Chunk], numel: int, dtype: torch.dtype, worker_bound: int,
+                 same: tuple[str, ...], changed: str, take: Callable[[Chunk], None]) -> None:
+        """Validate the chunk stream ``first, *rest`` and hand each chunk to ``take``: chunks of
+        ``dtype`` in order without gaps that cover ``numel`` elements exactly, from workers below
+        ``worker_bound``, each with the fields ``same`` of the first chunk (else refused as
+        "<rpc>: <changed>"). A refusal may come after ``take`` saw earlier chunks."""
+        expected = 0
         for chunk in _chain(first, rest):
             self._check_chunk(chunk, expected, numel, dtype, worker_bound)
             if any(getattr(chunk, field) != getattr(first, field) for field in same):
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{rpc}: {changed}")
-            copy_in(into, chunk.offset, chunk.data)
+            take(chunk)
             expected += chunk.length
         if expected != numel:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{rpc}: got {expected} of {numel} elements")
 
     def _hold(self, values: torch.Tensor) -> None:
-        """Preallocate, once: the parameters, the gradient the optimizer reads, each worker's staged
-        push, and (async/ssp) each worker's pull snapshot."""
+        """Preallocate, once: the parameters, one optimizer per partition, the mean gradient (n > 1;
+        a lone worker's push is its own gradient, read where it was received) and (async/ssp) each
+        worker's pull snapshot; (sync) start the update thread."""
         numel, dtype = values.numel(), values.dtype
         self.params = torch.nn.Parameter(values)
-        self.staging = torch.zeros(self.workers, numel, dtype=dtype)
-        # A lone worker's staged push is the gradient itself: no copy, no mean.
-        self.params.grad = self.staging[0] if self.workers == 1 else torch.zeros_like(values)
-        self.optimizer = build_optimizer(self.optim_cfg, [self.params])
+        self.grad = torch.zeros_like(values) if self.workers > 1 else None
+        self.parts = [(lo, lo + n) for lo, n in chunk_ranges(numel, values.element_size(), self.chunk_bytes)]
+        # Views: each partition's updates land in params.
+        self.part_params = [torch.nn.Parameter(self.params.detach()[lo:hi]) for lo, hi in self.parts]
+        self.optimizers = [build_optimizer(self.optim_cfg, [part]) for part in self.part_params]
+        self.applied = len(self.parts)
         self.snapshots = torch.zeros(self.workers, numel, dtype=dtype) if self.mode != "sync" else None
+        if self.mode == "sync":
+            threading.Thread(target=self._update_loop, name=f"ps{self.shard}-update", daemon=True).start()
 
     # --- checkpoints (sync mode) -----------------------------------------------------------------
 
@@ -150,7 +168,11 @@ class Shard:
                              f"this is shard {self.shard} with {self.workers}, mode {self.mode} (sync only)")
         with self.cond:
             self._hold(state["params"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            if len(state.get("optimizers", ())) != len(self.optimizers):
+                raise SystemExit(f"{path}: optimizer state for {len(state.get('optimizers', ()))} partitions, "
+                                 f"this shard has {len(self.optimizers)} (same --chunk-kb as the run that wrote it)")
+            for optimizer, saved in zip(self.optimizers, state["optimizers"]):
+                optimizer.load_state_dict(saved)
             self.version, self.clocks = state["version"], list(state["clocks"])
             self.histogram = Counter(state["histogram"])
 
@@ -160,7 +182,7 @@ class Shard:
         target = self.checkpoint_dir / f"step{self.version - 1:07d}"
         target.mkdir(parents=True, exist_ok=True)
         state = {"shard": self.shard, "workers": self.workers, "params": self.params.detach().clone(),
-                 "optimizer": self.optimizer.state_dict(), "version": self.version, "clocks": list(self.clocks),
+                 "optimizers": [o.state_dict() for o in self.optimizers], "version": self.version, "clocks": list(self.clocks),
                  "histogram": dict(self.histogram)}
         tmp = target / f"ps{self.shard}.pt.tmp"
         torch.save(state, tmp)
@@ -196,49 +218,122 @@ class Shard:
                               f"sync push for version {first.step}, but the shard is at version {self.version}")
             if first.step > self.version:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"push based on version {first.step} > {self.version}")
+            # Staged pushes are read until the last partition is updated (only a client that pushes
+            # before pulling the previous step can find the update still running).
+            self.cond.wait_for(self._updated)
+            self._check_updating()
             self.pushing.add(worker)
         try:
-            # Staged outside the lock: only this worker's stream writes its staging row.
-            self._receive("Push", first, stream, self.staging[worker], worker_bound=self.workers,
-                          same=("worker", "step"), changed="worker and step must not change mid-stream")
-            return self._commit(worker, int(first.step))
+            received: list[Chunk] = []  # outside the lock; staged only once the whole stream is valid
+            self._receive("Push", first, stream, self.params.numel(), self.params.dtype, worker_bound=self.workers,
+                          same=("worker", "step"), changed="worker and step must not change mid-stream",
+                          take=received.append)
+            return self._commit(worker, int(first.step), self._partitioned(received))
         finally:
             with self.cond:
                 self.pushing.discard(worker)
 
-    def _commit(self, worker: int, base: int) -> pb.PushReply:
+    def _partitioned(self, received: list[Chunk]) -> list[torch.Tensor]:
+        """A valid push as one tensor per partition: zero-copy views of the received messages when
+        the client chunks as the servers do (the same chunk_kb), else views of one copy of them."""
+        assert self.params is not None
+        dtype = self.params.dtype
+        if [chunk.length for chunk in received] == [hi - lo for lo, hi in self.parts]:
+            return [torch.frombuffer(chunk.data, dtype=dtype) for chunk in received]
+        flat = torch.empty(self.params.numel(), dtype=dtype)
+        for chunk in received:
+            copy_in(flat, chunk.offset, chunk.data)
+        return [flat[lo:hi] for lo, hi in self.parts]
+
+    def _gradient(self, part: int, workers: range | list[int]) -> torch.Tensor:
+        """One partition's gradient from the pushes of ``workers`` (all of them in sync mode, the one
+        that pushed in async/ssp), read where they were received: their mean over the shard's
+        workers, added in worker order so that the result does not depend on arrival order."""
+        pushed = [self.staged[w][part] for w in workers]
+        if self.grad is None:  # a lone worker: its push is the gradient
+            return pushed[0]
+        lo, hi = self.parts[part]
+        grad = self.grad[lo:hi]
+        if len(pushed) == 1:
+            return torch.div(pushed[0], self.workers, out=grad)
+        grad.copy_(pushed[0])
+        for more in pushed[1:]:
+            grad.add_(more)
+        return grad.div_(self.workers)
+
+    def _step(self, part: int, workers: range | list[int]) -> None:
+        self.part_params[part].grad = self._gradient(part, workers)
+        self.optimizers[part].step()
+
+    def _commit(self, worker: int, base: int, received: list[torch.Tensor]) -> pb.PushReply:
         assert self.params is not None
         with self.cond:
+            self.staged[worker] = received
             self.stats["pushes"] += 1
             self.stats["bytes_in"] += self.params.numel() * self.params.element_size()
             self.clocks[worker] += 1
             if self.mode == "sync":
                 self.pending.add(worker)
-                if len(self.pending) == self.workers:
-                    if self.workers > 1:
-                        # Summed in worker order, so the result does not depend on arrival order.
-                        torch.sum(self.staging, dim=0, out=self.params.grad)
-                        self.params.grad.div_(self.workers)
-                    self._apply()
+                if len(self.pending) == self.workers:  # the step is complete: hand it to the update thread
+                    self.version += 1
+                    self.applied = 0
                     self.pending.clear()
                 staleness = 0
             else:
                 staleness = self.version - base
-                if self.workers > 1:
-                    torch.div(self.staging[worker], self.workers, out=self.params.grad)
-                self._apply()
+                start = time.perf_counter()
+                for part in range(len(self.parts)):
+                    self._step(part, [worker])
+                self.staged[worker] = []
+                self.apply_seconds += time.perf_counter() - start
+                self.version += 1
             self.histogram[staleness] += 1
             self.cond.notify_all()
             return pb.PushReply(version=self.version, staleness=staleness)
 
-    def _apply(self) -> None:
-        """One optimizer step on the gradient in params.grad; the caller holds the lock."""
-        start = time.perf_counter()
-        self.optimizer.step()
-        self.apply_seconds += time.perf_counter() - start
-        self.version += 1
-        if self.checkpoint_every and self.mode == "sync" and self.version % self.checkpoint_every == 0:
-            self._save()
+    def _update_loop(self) -> None:
+        """sync: each completed step's update, partition by partition, outside the lock: nothing else
+        touches a partition's parameters, gradient or staged pushes until it is done (pulls wait
+        for it, pushes for the last one)."""
+        everyone = range(self.workers)
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: not self._updated())
+            start = time.perf_counter()
+            try:
+                for part in range(len(self.parts)):
+                    self._step(part, everyone)
+                    with self.cond:
+                        self.applied = part + 1
+                        if part + 1 == len(self.parts):
+                            self.staged = [[] for _ in everyone]  # the received messages can go
+                            self.apply_seconds += time.perf_counter() - start
+                            if self.checkpoint_every and self.version % self.checkpoint_every == 0:
+                                self._save()
+                        self.cond.notify_all()
+            except Exception as exc:  # every later push and pull is refused with it
+                log.exception("shard %d: update of version %d failed", self.shard, self.version)
+                with self.cond:
+                    self.apply_error = f"{type(exc).__name__}: {exc}"
+                    self.applied = len(self.parts)
+                    self.cond.notify_all()
+                return
+
+    def _updated(self) -> bool:
+        return self.applied == len(self.parts)
+
+    def _check_updating(self) -> None:
+        if self.apply_error:
+            raise Refused(grpc.StatusCode.INTERNAL, f"shard {self.shard}: the update failed: {self.apply_error}")
+
+    def _as_updated(self, messages: Iterator[Any]) -> Iterator[Any]:
+        """sync: the pull's messages (one per partition), each released once its partition is updated."""
+        for part in range(len(self.parts)):
+            if self.applied <= part:
+                with self.cond:
+                    self.cond.wait_for(lambda part=part: self.applied > part)
+            self._check_updating()
+            yield next(messages)
 
     # --- pull ---------------------------------------------------------------------------------
 
@@ -268,7 +363,8 @@ class Shard:
             self.stats["bytes_out"] += params.numel() * params.element_size()
             slowest = min(self.clocks)
         context.send_initial_metadata((("blocked-seconds", f"{blocked:.9f}"), ("slowest-clock", str(slowest))))
-        yield from self.pull_messages(source, version)
+        messages = self.pull_messages(source, version)
+        yield from messages if self.snapshots is not None else self._as_updated(iter(messages))
 
     def pull_messages(self, source: torch.Tensor, version: int) -> Iterator[Any]:
         """A pull's TensorChunk messages, which add_servicer's ``encode`` turns into bytes: here
