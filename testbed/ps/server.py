@@ -3,8 +3,8 @@
 Modes (``--mode``):
 - ``sync`` (BSP): pushes for a step are staged until all workers have pushed; then their mean is
   applied in one optimizer step and the waiting pulls are released. This is all-reduce training.
-  The step runs partition by partition (the pull's chunks) on a thread of its own, and a pull
-  sends each partition as soon as it is updated, so the update overlaps the pulls instead of
+  The step runs block by block (a few of the pull's chunks each) on a thread of its own, and a
+  pull sends each chunk as soon as it is updated, so the update overlaps the pulls instead of
   delaying them.
 - ``async`` (ASP): each push is applied on arrival, scaled by 1/workers so that a round of pushes
   moves the parameters as far as one synchronous step.
@@ -65,6 +65,9 @@ from testbed.ps.wire import (
 )
 
 log = logging.getLogger("testbed.ps.server")
+# An optimizer per block of partitions of this size: small enough that a pull's first chunks wait
+# little for the update, large enough that the optimizer's per-call cost stays small.
+UPDATE_BYTES = 8 << 20
 
 
 class Refused(Exception):
@@ -92,9 +95,11 @@ class Shard:
         self.histogram: Counter[int] = Counter()
         self.stats = Counter()  # bytes_in, bytes_out, pushes, pulls, rejected
         self.apply_seconds = 0.0
-        # The shard in partitions of chunk_bytes (the pull's chunks), each with an optimizer of its
-        # own: both optimizers are elementwise, so stepping the partitions is stepping the whole.
+        # The shard in partitions of chunk_bytes (the pull's chunks), and consecutive partitions in
+        # blocks of about UPDATE_BYTES, each with an optimizer of its own: both optimizers are
+        # elementwise, so stepping the blocks is stepping the whole.
         self.parts: list[tuple[int, int]] = []
+        self.blocks: list[range] = []  # partition indices of each block
         self.optimizers: list[torch.optim.Optimizer] = []
         self.applied = 0  # sync: partitions updated to the current version (all of them when idle)
         self.apply_error = ""
@@ -152,7 +157,9 @@ class Shard:
         self.parts = [(lo, lo + n) for lo, n in chunk_ranges(numel, values.element_size(), self.chunk_bytes)]
         # Views: each partition's updates land in params.
         self.part_params = [torch.nn.Parameter(self.params.detach()[lo:hi]) for lo, hi in self.parts]
-        self.optimizers = [build_optimizer(self.optim_cfg, [part]) for part in self.part_params]
+        per_block = max(1, UPDATE_BYTES // self.chunk_bytes)
+        self.blocks = [range(i, min(i + per_block, len(self.parts))) for i in range(0, len(self.parts), per_block)]
+        self.optimizers = [build_optimizer(self.optim_cfg, [self.part_params[i] for i in block]) for block in self.blocks]
         self.applied = len(self.parts)
         self.snapshots = torch.zeros(self.workers, numel, dtype=dtype) if self.mode != "sync" else None
         if self.mode == "sync":
@@ -169,7 +176,7 @@ class Shard:
         with self.cond:
             self._hold(state["params"])
             if len(state.get("optimizers", ())) != len(self.optimizers):
-                raise SystemExit(f"{path}: optimizer state for {len(state.get('optimizers', ()))} partitions, "
+                raise SystemExit(f"{path}: optimizer state for {len(state.get('optimizers', ()))} blocks, "
                                  f"this shard has {len(self.optimizers)} (same --chunk-kb as the run that wrote it)")
             for optimizer, saved in zip(self.optimizers, state["optimizers"]):
                 optimizer.load_state_dict(saved)
@@ -261,9 +268,10 @@ class Shard:
             grad.add_(more)
         return grad.div_(self.workers)
 
-    def _step(self, part: int, workers: range | list[int]) -> None:
-        self.part_params[part].grad = self._gradient(part, workers)
-        self.optimizers[part].step()
+    def _step(self, block: int, workers: range | list[int]) -> None:
+        for part in self.blocks[block]:
+            self.part_params[part].grad = self._gradient(part, workers)
+        self.optimizers[block].step()
 
     def _commit(self, worker: int, base: int, received: list[torch.Tensor]) -> pb.PushReply:
         assert self.params is not None
@@ -282,8 +290,8 @@ class Shard:
             else:
                 staleness = self.version - base
                 start = time.perf_counter()
-                for part in range(len(self.parts)):
-                    self._step(part, [worker])
+                for block in range(len(self.blocks)):
+                    self._step(block, [worker])
                 self.staged[worker] = []
                 self.apply_seconds += time.perf_counter() - start
                 self.version += 1
@@ -292,7 +300,7 @@ class Shard:
             return pb.PushReply(version=self.version, staleness=staleness)
 
     def _update_loop(self) -> None:
-        """sync: each completed step's update, partition by partition, outside the lock: nothing else
+        """sync: each completed step's update, block by block, outside the lock: nothing else
         touches a partition's parameters, gradient or staged pushes until it is done (pulls wait
         for it, pushes for the last one)."""
         everyone = range(self.workers)
@@ -301,11 +309,11 @@ class Shard:
                 self.cond.wait_for(lambda: not self._updated())
             start = time.perf_counter()
             try:
-                for part in range(len(self.parts)):
-                    self._step(part, everyone)
+                for block in range(len(self.blocks)):
+                    self._step(block, everyone)
                     with self.cond:
-                        self.applied = part + 1
-                        if part + 1 == len(self.parts):
+                        self.applied = self.blocks[block].stop
+                        if self._updated():
                             self.staged = [[] for _ in everyone]  # the received messages can go
                             self.apply_seconds += time.perf_counter() - start
                             if self.checkpoint_every and self.version % self.checkpoint_every == 0:
