@@ -13,6 +13,7 @@ import torch
 
 from testbed.optim import SgdConfig
 from testbed.ps import parameter_server_pb2 as pb
+from testbed.ps import server
 from testbed.ps.server import Refused, Shard
 from testbed.ps.wire import Chunk, copy_in, decode_chunk
 
@@ -229,3 +230,23 @@ def test_a_push_while_the_same_worker_is_pushing_is_refused() -> None:
     assert first() == pb.PushReply(version=2, staleness=1)
     assert shard.pushing == set()
     assert torch.equal(shard.params.detach(), INITIAL - LR * (2.0 + 4.0) / 2)
+
+
+def test_sync_update_runs_block_by_block_and_a_failed_one_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(server, "UPDATE_BYTES", 4 * CHUNK)  # a block per chunk: three of them
+    shard = make_shard("sync")
+    assert [list(block) for block in shard.blocks] == [[0], [1], [2]]
+    push(shard, 0, 2.0, 0)
+    push(shard, 1, 6.0, 0)
+    params, version, _ = pull(shard, 0, clock=1)
+    assert torch.equal(params, INITIAL - LR * (2.0 + 6.0) / 2) and version == 1
+
+    def broken() -> None:
+        raise RuntimeError("no memory")
+
+    monkeypatch.setattr(shard.optimizers[1], "step", broken)
+    push(shard, 0, 2.0, 1)
+    push(shard, 1, 2.0, 1)  # completes the step: its update fails in the second block
+    internal = (grpc.StatusCode.INTERNAL, "shard 0: the update failed: RuntimeError: no memory")
+    assert refusal(lambda: pull(shard, 1, clock=2)) == internal
+    assert refusal(lambda: push(shard, 0, 2.0, 2)) == internal

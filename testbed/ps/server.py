@@ -148,7 +148,7 @@ class Shard:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{rpc}: got {expected} of {numel} elements")
 
     def _hold(self, values: torch.Tensor) -> None:
-        """Preallocate, once: the parameters, one optimizer per partition, the mean gradient (n > 1;
+        """Preallocate, once: the parameters, an optimizer per block, the mean gradient (n > 1;
         a lone worker's push is its own gradient, read where it was received) and (async/ssp) each
         worker's pull snapshot; (sync) start the update thread."""
         numel, dtype = values.numel(), values.dtype
