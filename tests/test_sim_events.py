@@ -115,6 +115,16 @@ def test_bsp_single_server_is_compute_plus_incast_push_and_pull(n: int) -> None:
 
 
 @pytest.mark.parametrize("n", [1, 2, 8])
+def test_latency_passes_before_the_server_link_so_incast_adds_to_it(n: int) -> None:
+    alpha, server_in, server_out = 0.0004, 0.0009, 0.0007
+    trace = simulate_ps(np.full((20, n), BASE), push_s=alpha + server_in, pull_s=alpha + server_out,
+                        server_in_s=server_in, server_out_s=server_out, mode="sync", latency_s=alpha)
+    # The calibration's parameter-server cost: 2 alpha + n M beta each way through one server.
+    expected = BASE + 2 * alpha + n * (server_in + server_out)
+    assert trace.step_s == pytest.approx(np.full((20, n), expected), rel=1e-9)
+
+
+@pytest.mark.parametrize("n", [1, 2, 8])
 def test_bsp_with_one_shard_per_worker_has_no_incast(n: int) -> None:
     trace = simulate_ps(np.full((20, n), BASE), **sharded(n), mode="sync")
     assert trace.mean_step_s == pytest.approx(np.full(n, BASE + PUSH + PULL), rel=1e-12)

@@ -223,7 +223,7 @@ class _FairLink:
         return done
 
 
-_COMPUTED, _PUSHED, _PULLED, _LINK = range(4)
+_COMPUTED, _PUSHED, _PULLED, _LINK, _ENTER = range(5)
 
 
 def simulate_ps(
@@ -235,6 +235,7 @@ def simulate_ps(
     server_out_s: float,
     mode: str = "sync",
     staleness: int = 0,
+    latency_s: float = 0.0,
 ) -> PsTrace:
     """Replay workers computing ``compute`` [steps, n] against a parameter server.
 
@@ -243,6 +244,9 @@ def simulate_ps(
     Every push and pull splits evenly over the k shards at the same instant, so all shards' links
     carry the same transfers and one pair of links stands for all of them. A transfer is done when
     both the worker's link and the server's are: k = 1 with n simultaneous pushes takes n M beta.
+    ``latency_s`` (alpha, included in ``push_s`` and ``pull_s``) passes before a transfer reaches
+    the server's link, so n simultaneous pushes take alpha + n M beta, as the calibration's
+    parameter-server cost has it, not max(alpha + M beta, n M beta).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -272,6 +276,12 @@ def simulate_ps(
         if work[direction] <= 0.0:
             at(now + own_s, done_kind[direction], worker)
             return
+        if latency_s > 0.0:
+            at(now + latency_s, _ENTER, 2 * worker + direction)
+        else:
+            enter(now, direction, worker)
+
+    def enter(now: float, direction: int, worker: int) -> None:
         link = links[direction]
         link.add(now, worker, work[direction])
         at(link.next_finish(), _LINK, direction, link.version)
@@ -287,6 +297,8 @@ def simulate_ps(
         now, _, kind, who, version = heapq.heappop(events)
         if kind == _COMPUTED:  # gradient ready: push it
             transfer(now, 0, who, push_s)
+        elif kind == _ENTER:  # past the latency: the transfer reaches the server's link
+            enter(now, who % 2, who // 2)
         elif kind == _LINK:  # a server link finished transfers; each is done once its worker's link is too
             link = links[who]
             if version != link.version:

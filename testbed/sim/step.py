@@ -291,7 +291,7 @@ def _parameter_server(cfg: Any, work: np.ndarray, nbytes: float, link: Link) -> 
     own = link.alpha + nbytes * link.beta  # a worker's push (or pull) over its own link
     shard = nbytes / k * link.beta  # what each push (or pull) puts on every server's link
     trace = simulate_ps(work, push_s=own, pull_s=own, server_in_s=shard, server_out_s=shard,
-                        mode=str(cfg.sync.mode), staleness=int(cfg.sync.staleness))
+                        mode=str(cfg.sync.mode), staleness=int(cfg.sync.staleness), latency_s=link.alpha)
     wait = trace.wait_s
     return wait, trace.step_s - work - wait
 
