@@ -27,6 +27,8 @@ from testbed.netem.rank import enter_rank_namespace
 from testbed.sim.costs import Cost, Link, halving_doubling, parameter_server, ring, two_tree_reduce_broadcast
 
 PROBE_MIN_BYTES = 1 << 20  # smaller transfers pass within an emulated link's burst (testbed.sim.calibrate)
+# Medians of fewer transfers let one slow 1 MiB sample outweigh 4 MiB on a busy machine (beta fit 0).
+PROBE_MIN_ITERS = 5
 
 
 def algorithm_cost(impl: str, n: int, nbytes: float, link: Link) -> Cost | None:
@@ -82,8 +84,8 @@ def probe_sizes(sizes: list[int]) -> list[int]:
 
 
 def probe_link(sizes: list[int], iters: int, device: torch.device) -> list[tuple[float, float]]:
-    """Median one-way transfer time from rank 0 to rank 1 per size, on every rank as (bytes,
-    seconds); ranks beyond 1 only meet the barriers. One-way: rank 0 reads the clock before it
+    """Median one-way transfer time (of at least PROBE_MIN_ITERS) from rank 0 to rank 1 per size,
+    on every rank as (bytes, seconds); ranks beyond 1 only meet the barriers. One-way: rank 0 reads the clock before it
     sends, rank 1 when the last byte has arrived. ``perf_counter`` is CLOCK_MONOTONIC, one clock for
     every process of a machine, and the benchmark's ranks are local."""
     rank = dist.get_rank()
@@ -91,7 +93,7 @@ def probe_link(sizes: list[int], iters: int, device: torch.device) -> list[tuple
     for nbytes in sizes:
         buf = torch.zeros(nbytes // 4, device=device)
         times = []
-        for _ in range(iters + 1):  # the first transfer sets up the pair's connection
+        for _ in range(max(iters, PROBE_MIN_ITERS) + 1):  # the first sets up the pair's connection
             stamps = torch.zeros(2, dtype=torch.float64)
             dist.barrier()
             if rank == 0:
