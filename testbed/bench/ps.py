@@ -49,7 +49,7 @@ from testbed.netem import EmulatedNetwork, NetworkUnavailable, enter_rank_namesp
 from testbed.ps import parameter_server_pb2 as pb
 from testbed.ps import parameter_server_pb2_grpc as pb_grpc
 from testbed.ps.client import PsClient
-from testbed.ps.launch import LocalServers, wait_healthy
+from testbed.ps.launch import LocalServers, wait_healthy, wait_port_file
 from testbed.ps.wire import CHANNEL_OPTIONS, auth_metadata, chunks, keep_freed_memory
 from testbed.sim.costs import Link
 
@@ -222,12 +222,7 @@ def raw_server(logs: Path, network: EmulatedNetwork | None) -> Iterator[str]:
     proc = subprocess.Popen([*prefix, sys.executable, "-m", "testbed.bench.ps", "--serve-raw", str(port_file),
                              "--raw-host", host])
     try:
-        deadline = time.monotonic() + 60
-        while not port_file.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("raw gRPC server did not start")
-            time.sleep(0.05)
-        address = f"{host}:{port_file.read_text()}"
+        address = f"{host}:{wait_port_file(proc, port_file, time.monotonic() + 60, 'raw gRPC server', 'its output is above')}"
         if not network:  # the launcher cannot reach into a namespace; workers wait for it instead
             wait_healthy(address, 30, "raw server")
         yield address
@@ -315,17 +310,19 @@ def main(argv: list[str] | None = None) -> int:
             env = network.rank_env(2) if network else {}
             link = Link(*spawn_world(probe_world_rank, (probe_sizes(sizes), args.iters or 5), 2, logs, env=env)[0])
             for n in workers:
+                measured = []
                 for nbytes in sizes:
-                    records += run_world(n, servers, nbytes, args.warmup, args.iters, logs, network)
+                    measured += run_world(n, servers, nbytes, args.warmup, args.iters, logs, network)
                 if n > 1 and not args.no_native:
-                    records += spawn_world(bench_rank, (sizes, ["native"], args.iters, args.warmup, 1024, "gloo"), n, logs,
-                                           env=network.rank_env(n) if network else {})[0]
-                for rec in records:  # the all-reduce baseline's came with its own calibration
+                    measured += spawn_world(bench_rank, (sizes, ["native"], args.iters, args.warmup, 1024, "gloo"), n, logs,
+                                            env=network.rank_env(n) if network else {})[0]
+                for rec in measured:  # the all-reduce baseline's came with its own calibration
                     rec["link"] = args.bandwidth or "loopback"
                     if "bound_fraction" not in rec:
                         rec.update(bound_fraction=bound_fraction(rec, link), link_alpha_s=link.alpha, link_beta_s=link.beta)
                     if rec["impl"].startswith("ps_k"):
                         rec["bound_scaling"] = bound_scaling(rec, link)
+                records += measured
                 if args.out:  # after each world size, so a later failure keeps what was measured
                     Path(args.out).write_text(json.dumps(records, indent=1) + "\n")
         except (RankFailure, NetworkUnavailable) as failure:

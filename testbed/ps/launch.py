@@ -87,14 +87,9 @@ class LocalServers:
             log.close()
         deadline = time.monotonic() + timeout_s
         for shard, (proc, port_file) in enumerate(zip(self.procs, port_files)):
-            while not port_file.exists():
-                if proc.poll() is not None:
-                    raise ServerStartError(f"ps shard {shard} exited with code {proc.returncode}; see {self.log_dir}/ps{shard}.log")
-                if time.monotonic() > deadline:
-                    raise ServerStartError(f"ps shard {shard} did not start within {timeout_s:.0f}s; see {self.log_dir}/ps{shard}.log")
-                time.sleep(0.05)
+            port = wait_port_file(proc, port_file, deadline, f"ps shard {shard}", f"see {self.log_dir}/ps{shard}.log")
             host = hosts[shard]
-            self.addresses.append(f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port_file.read_text()}")
+            self.addresses.append(f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}")
         if self.hosts is not None:
             return
         for shard, address in enumerate(self.addresses):
@@ -112,6 +107,17 @@ class LocalServers:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def wait_port_file(proc: subprocess.Popen, port_file: Path, deadline: float, name: str, hint: str) -> str:
+    """The port a server process writes to ``port_file`` once it serves, by ``deadline`` (monotonic)."""
+    while not port_file.exists():
+        if proc.poll() is not None:
+            raise ServerStartError(f"{name} exited with code {proc.returncode}; {hint}")
+        if time.monotonic() > deadline:
+            raise ServerStartError(f"{name} did not start in time; {hint}")
+        time.sleep(0.05)
+    return port_file.read_text()
 
 
 def wait_healthy(address: str, timeout_s: float, name: str, tls_ca: str | None = None) -> None:

@@ -335,13 +335,19 @@ class Shard:
             raise Refused(grpc.StatusCode.INTERNAL, f"shard {self.shard}: the update failed: {self.apply_error}")
 
     def _as_updated(self, messages: Iterator[Any]) -> Iterator[Any]:
-        """sync: the pull's messages (one per partition), each released once its partition is updated."""
+        """sync: the pull's messages, one per partition (pull_messages chunks as the partitions are
+        cut), each generated only once its partition is updated, so that none reads stale values."""
         for part in range(len(self.parts)):
             if self.applied <= part:
                 with self.cond:
                     self.cond.wait_for(lambda part=part: self.applied > part)
             self._check_updating()
-            yield next(messages)
+            message = next(messages, None)
+            if message is None:
+                raise Refused(grpc.StatusCode.INTERNAL, f"shard {self.shard}: pull has fewer messages than partitions")
+            yield message
+        if next(messages, None) is not None:
+            raise Refused(grpc.StatusCode.INTERNAL, f"shard {self.shard}: pull has more messages than partitions")
 
     # --- pull ---------------------------------------------------------------------------------
 
