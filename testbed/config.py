@@ -21,6 +21,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from testbed.batch import per_rank_batch
 from testbed.checks import ConfigError, enum_value, require, resolved_backend, resolved_device
+from testbed.compress import CODECS
 from testbed.data.datasets import DATA_KINDS
 from testbed.data.loader import TOKEN_DTYPES, WORKER_STARTS, TokenFile
 from testbed.optim import SCHEMAS as OPTIM_SCHEMAS
@@ -315,6 +316,7 @@ class SimConfig:
 @dataclass
 class Config:
     sync: Any = MISSING
+    compress: Any = MISSING
     model: Any = MISSING
     data: DataConfig = MISSING
     optim: Any = MISSING
@@ -349,6 +351,7 @@ class Config:
 
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "sync": {name: spec.schema for name, spec in SYNCHRONIZERS.items()},
+    "compress": {name: spec.schema for name, spec in CODECS.items()},
     "model": {
         "mlp": MlpConfig,
         "cnn": CnnConfig,
@@ -455,6 +458,7 @@ def validate(cfg: DictConfig, local_world_size: int | None = None, simulated: bo
     require(bucket is None or bucket >= 0, f"sync.bucket_mb={bucket}: must be >= 0 (0: one bucket per tensor) or null")
     require(cfg.sync.accumulate >= 1, f"sync.accumulate={cfg.sync.accumulate}: must be >= 1 (1 = no accumulation)")
     SYNCHRONIZERS[cfg.sync.name].check(cfg)
+    _validate_compress(cfg)
 
     _validate_imbalance(cfg)
     _validate_network(cfg)
@@ -538,6 +542,18 @@ def _validate_model(cfg: DictConfig) -> None:
         check_fits(cfg.model, spec)
     except ValueError as exc:
         raise ConfigError(f"{exc}") from None
+
+
+def _validate_compress(cfg: DictConfig) -> None:
+    codec = cfg.compress.name
+    if codec == "none":
+        return
+    CODECS[codec].check(cfg)
+    carriers = "|".join(name for name, spec in SYNCHRONIZERS.items() if spec.compresses)
+    require(SYNCHRONIZERS[cfg.sync.name].compresses,
+            f"compress={codec} with sync={cfg.sync.name}: this synchronizer does not carry a codec; "
+            f"use sync={carriers}, or compress=none")
+    require(not cfg.compress.pull, f"compress.pull=true: only a parameter server pulls; sync={cfg.sync.name} has no pull")
 
 
 def _validate_imbalance(cfg: DictConfig) -> None:

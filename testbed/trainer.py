@@ -132,6 +132,8 @@ class Trainer:
                 # None: completed after the run from all ranks' arrival times (testbed.timing)
                 "t_wait": report.t_wait,
                 "t_comm": report.t_comm,
+                "t_encode": report.t_encode,
+                "t_decode": report.t_decode,
                 "t_optimizer": phases["optimizer"],
                 "t_step": times.step,
                 "bytes_sent": report.bytes_sent,
@@ -142,6 +144,8 @@ class Trainer:
             last_compute = real_compute_time(record)
             if report.staleness is not None:
                 record["staleness"] = report.staleness
+            if report.residual_norm is not None:
+                record["residual_norm"] = report.residual_norm
             self.step_log.write(record)
             records.append(record)
             if not math.isfinite(record["loss"]):  # recorded, then stop: NaN gradients spread to every replica

@@ -47,6 +47,22 @@ def ring_allreduce_(
     return traffic
 
 
+def ring_allgather_(buf: torch.Tensor, group: dist.ProcessGroup | None = None) -> Traffic:
+    """Fill ``buf`` (1-D, n equal slots, this rank's own part in slot ``rank``) with every rank's
+    part: n - 1 steps around the ring, each passing on the slot received in the step before."""
+    n = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    traffic = Traffic()
+    if n == 1:
+        return traffic
+    right = dist.get_global_rank(group, (rank + 1) % n) if group is not None else (rank + 1) % n
+    left = dist.get_global_rank(group, (rank - 1) % n) if group is not None else (rank - 1) % n
+    slots = buf.view(n, -1)
+    for s in range(n - 1):
+        _exchange(slots[(rank - s) % n], right, slots[(rank - s - 1) % n], left, group, traffic, buf.element_size())
+    return traffic
+
+
 def _exchange(
     send: torch.Tensor,
     dst: int,

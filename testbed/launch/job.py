@@ -21,7 +21,7 @@ from testbed.rank_failure import lost_peer, root_cause
 from testbed.results.summary import failed_summary, summarize, write_summary
 from testbed.results.table import format_table, summary_row
 from testbed.stall import read_stall
-from testbed.sync import SYNCHRONIZERS
+from testbed.sync import SYNCHRONIZERS, run_label
 from testbed.world import DEBUG_ENV
 
 log = logging.getLogger("testbed")
@@ -105,7 +105,7 @@ def _identity(plain: dict[str, Any], hydra_cfg: Any, multirun: bool) -> dict[str
         "overrides": list(hydra_cfg.overrides.task),
         "name": ",".join(overrides) or "defaults",
         "group": str(hydra_cfg.sweep.dir if multirun else hydra_cfg.run.dir),
-        "job_type": SYNCHRONIZERS[plain["sync"]["name"]].label(plain["sync"]),
+        "job_type": run_label(plain),
     }
 
 
@@ -125,7 +125,7 @@ def _record_failure(job_dir: Path, plain: dict[str, Any], message: str, rank: in
             message, rank = cause["message"], cause["rank"]
     error = failure_cause(message, rank, read_stall(job_dir / "logs"))
     spec = SYNCHRONIZERS[plain["sync"]["name"]]
-    summary = failed_summary(job_dir, plain, error, spec.impl.waits_for_peers, spec.label(plain["sync"]))
+    summary = failed_summary(job_dir, plain, error, spec.impl.waits_for_peers, run_label(plain))
     write_summary(job_dir, summary)
     where = "" if error["rank"] is None else f"rank {error['rank']}: "
     log.error("run failed at step %s (%s): %s%s (results so far kept in %s)", error["step"], error["kind"], where,
@@ -190,6 +190,6 @@ def _config_failure(cfg: DictConfig, job_dir: Path, message: str, multirun: bool
     plain = config.to_plain(cfg)
     error = {"message": f"config error: {message}", "rank": None, "kind": "config", "step": None}
     spec = SYNCHRONIZERS.get(cfg.sync.name)
-    summary = summarize(plain, [], status="failed", error=error, label=spec.label(plain["sync"]) if spec else None)
+    summary = summarize(plain, [], status="failed", error=error, label=run_label(plain) if spec else None)
     write_summary(job_dir, summary)
     return summary

@@ -39,7 +39,7 @@ from testbed.results.wandb_run import WandbRun
 from testbed.seeds import rank_seed
 from testbed.sim.step import communication_bound_s
 from testbed.stall import Arrivals, StallError
-from testbed.sync import spec_of
+from testbed.sync import run_label, spec_of
 from testbed.timing import fill_wait_from_latest
 from testbed.trainer import Trainer
 from testbed.world import World, close_world, init_world
@@ -61,7 +61,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
     world = init_world(config.resolved_device(cfg), config.resolved_backend(cfg), cfg.timeouts.collective_s, cfg.debug)
     _configure_logging(world.rank)
     log.info("rank %d/%d pid %d device %s backend %s", world.rank, world.world_size, os.getpid(), world.device, world.backend)
-    sync = spec.impl(cfg.sync)
+    sync = spec.impl(cfg.sync, cfg.compress, int(cfg.seed))
     tracker: WandbRun | None = None
     summary: dict[str, Any] | None = None
     arrivals = Arrivals(world.rank, world.world_size, cfg.timeouts.stall_warn_s) if world.world_size > 1 else None
@@ -158,7 +158,7 @@ def _finish(
     if gathered is None:
         return None
     torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, job_dir / "model_final.pt")
-    label = spec_of(plain_cfg["sync"]["name"]).label(plain_cfg["sync"])
+    label = run_label(plain_cfg)
     summary = summarize(plain_cfg, [g[0] for g in gathered], [g[1] for g in gathered], sync.describe(), label=label,
                         comm_bound_s=comm_bound_s)
     write_summary(job_dir, summary)

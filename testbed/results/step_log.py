@@ -12,7 +12,8 @@ from typing import Any
 # Fields of every per-step record, in seconds and bytes (docs/results.md).
 STEP_FIELDS = (
     "step", "rank", "samples", "loss",
-    "t_data", "t_injected", "t_forward", "t_backward", "t_sync", "t_wait", "t_comm", "t_optimizer", "t_step",
+    "t_data", "t_injected", "t_forward", "t_backward", "t_sync", "t_wait", "t_comm", "t_encode", "t_decode",
+    "t_optimizer", "t_step",
     "bytes_sent", "bytes_recv", "t_sync_enter", "t_sync_exit",
 )
 

@@ -123,7 +123,7 @@ def summarize(
         "step_time_p90": percentile(step_times, 90),
     }
     names = list(PHASES) + [
-        extra for extra in ("wait", "comm") if rows and all(r.get(f"t_{extra}") is not None for row in rows for r in row)
+        extra for extra in ("wait", "comm", "encode", "decode") if rows and all(r.get(f"t_{extra}") is not None for row in rows for r in row)
     ]
     summary["phases"] = {f"t_{p}": _spread([r[f"t_{p}"] for row in rows for r in row]) for p in names}
     summary.update(_imbalance(rows, len(records_by_rank)))

@@ -42,7 +42,7 @@ from testbed.results.summary import summarize
 from testbed.sim import calibrate
 from testbed.sim.costs import Link
 from testbed.sim.events import compute_times, simulate_ps
-from testbed.sync import spec_of
+from testbed.sync import run_label, spec_of
 from testbed.sync.flat import bucket_ends
 
 
@@ -323,9 +323,12 @@ def simulate(cfg: Any) -> dict[str, Any]:
     """The summary a run of ``cfg`` is predicted to produce (config.ConfigError for a bad config)."""
     # Every rank is simulated and none spawned: no network to build, no GPU per rank to find.
     plain = config.to_plain(cfg)
+    if plain.get("compress", {}).get("name", "none") != "none":
+        raise config.ConfigError(f"compress={plain['compress']['name']}: the simulator does not cost codecs yet; "
+                                 "predict with compress=none, or measure the codec (python -m testbed)")
     config.validate(OmegaConf.create({**plain, "network": {"name": "loopback"}}), local_world_size=1, simulated=True)
     prediction = predict(cfg)
-    summary = summarize(plain, prediction.records, label=spec_of(cfg.sync.name).label(plain["sync"]))
+    summary = summarize(plain, prediction.records, label=run_label(plain))
     summary.update(simulated=True, final_loss=None, loss_first=None, gradient_bytes=prediction.facts["gradient_bytes"],
                    sync_facts=prediction.facts)
     return summary

@@ -50,6 +50,7 @@ def _communicates(summary: dict[str, Any]) -> bool:
 def _predict(summary: dict[str, Any], calibration: str, compute_from: str, cores: int | None) -> float:
     plain = dict(summary["config"])  # runs older than the `sim` node get its defaults
     plain["sim"] = {**asdict(config.SimConfig()), "calibration": calibration, "cores": cores, "compute_from": compute_from}
+    plain.setdefault("compress", {"name": "none"})  # runs from before codecs
     try:
         return simulate(OmegaConf.create(plain))["step_time"]
     except config.ConfigError:

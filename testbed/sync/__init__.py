@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from collections.abc import Mapping
 from typing import Any
 
 from testbed.checks import ConfigError
+from testbed.compress import label as compress_label
 from testbed.sync.base import Synchronizer, SyncReport
 from testbed.sync.spec import SyncSpec
 
@@ -34,4 +36,11 @@ def build_synchronizer(cfg: Any) -> Synchronizer:
     return spec_of(cfg.name).impl(cfg)
 
 
-__all__ = ["SYNCHRONIZERS", "SyncReport", "SyncSpec", "Synchronizer", "build_synchronizer", "spec_of"]
+def run_label(plain: Mapping[str, Any]) -> str:
+    """A run's synchronizer as tables and dashboards name it, with its codec: 'ring topk 1% +ef'."""
+    codec = compress_label(plain.get("compress"))
+    sync = spec_of(plain["sync"]["name"]).label(plain["sync"])
+    return f"{sync} {codec}" if codec else sync
+
+
+__all__ = ["SYNCHRONIZERS", "SyncReport", "SyncSpec", "Synchronizer", "build_synchronizer", "run_label", "spec_of"]

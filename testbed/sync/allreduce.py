@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from testbed.sim.costs import ring
-from testbed.sync.flat import FlatGradSynchronizer, Traffic
+from testbed.sync.flat import FlatGradSynchronizer, InFlight, Traffic
 from testbed.sync.spec import BucketedSyncConfig, SimModel, SyncSpec
 
 
@@ -35,11 +35,20 @@ class NativeAllReduce(FlatGradSynchronizer):
         dist.all_reduce(flat)
         return self._moved(flat)
 
-    def launch(self, index: int) -> _AsyncAllReduce:
+    def launch(self, index: int) -> InFlight:
         # Straight to the backend, which runs it on its own threads (Gloo) or stream (NCCL), as DDP
         # does: several buckets can be in flight at once, and no Python thread is woken per bucket.
+        # A codec's encode and decode are Python: they run on the communication thread.
+        if self.codecs is not None:
+            return super().launch(index)
         flat = self.buckets[index].view
         return _AsyncAllReduce(dist.all_reduce(flat, async_op=True), *self._moved(flat))
+
+    def allgather_payload(self, payload: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        gathered = torch.empty(self.world_size * payload.numel(), dtype=payload.dtype, device=payload.device)
+        dist.all_gather_into_tensor(gathered, payload)
+        moved = (self.world_size - 1) * payload.numel() * payload.element_size()  # a ring allgather's
+        return gathered, moved, moved
 
     def _moved(self, flat: torch.Tensor) -> tuple[int, int]:
         # The backend does not report its traffic; count what a bandwidth-optimal algorithm (ring)
@@ -78,6 +87,6 @@ class _AsyncAllReduce:
 NATIVE = SimModel(series=lambda cfg: "native", cost=lambda cfg: lambda s: ring(int(cfg.world_size), s))
 
 SPEC = SyncSpec(
-    name="allreduce", schema=AllReduceSyncConfig, impl=NativeAllReduce, sim=NATIVE,
+    name="allreduce", schema=AllReduceSyncConfig, impl=NativeAllReduce, sim=NATIVE, compresses=True,
     rank_env=lambda cfg: {"NCCL_ALGO": str(cfg.sync.nccl_algo)} if cfg.sync.get("nccl_algo") else {},
 )

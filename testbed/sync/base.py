@@ -30,6 +30,11 @@ class SyncReport:
     # The replicas' parameters are equal after this step, so their buffers are made equal too
     # (testbed.buffers); False for local steps, asynchronous updates and no synchronization.
     replicas_agree: bool = True
+    # Compression (testbed.compress), None without: encoding and decoding time (summed over
+    # buckets, overlapped with backward or not) and the error-feedback residual's norm.
+    t_encode: float | None = None
+    t_decode: float | None = None
+    residual_norm: float | None = None
 
 
 class Synchronizer(ABC):
@@ -46,8 +51,10 @@ class Synchronizer(ABC):
     waits_for_peers: ClassVar[bool] = True
     steps_optimizer: ClassVar[bool] = False
 
-    def __init__(self, cfg: Any) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: Any, compress: Any = None, seed: int = 0) -> None:
+        """``cfg``: the sync config; ``compress``: the codec's (testbed.compress), for the
+        synchronizers that carry one; ``seed``: the run's (shared codec draws)."""
+        self.cfg, self.compress, self.seed = cfg, compress, seed
         self.accumulate = int(cfg.get("accumulate", 1))
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> None:

@@ -17,6 +17,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from testbed.collectives.ring import ring_allgather_
+from testbed.compress import Codec, build_codec
 from testbed.sync.base import GradReadiness, Synchronizer, SyncReport
 from testbed.world import World
 
@@ -40,12 +42,16 @@ def bucket_ends(sizes: list[int], cap_bytes: float | None) -> list[int]:
 
 @dataclass
 class Traffic:
-    """One bucket's collective: bytes this rank sent and received, and when it ran (perf_counter)."""
+    """One bucket's collective: bytes this rank sent and received, and when it ran (perf_counter);
+    compressed, also its payload bytes and codec time."""
 
     sent: int
     recv: int
     start: float
     end: float
+    payload: int = 0
+    t_encode: float = 0.0
+    t_decode: float = 0.0
 
 
 class InFlight(Protocol):
@@ -113,6 +119,9 @@ class FlatGradSynchronizer(Synchronizer):
                 start = end
             self.buffers.append(flat)
         self.scratch = [self.make_scratch(b.view) for b in self.buckets]
+        codecs = [build_codec(self.compress, b.view, [p.shape for p in b.params], i, world.rank, self.seed)
+                  for i, b in enumerate(self.buckets)]
+        self.codecs: list[Codec] | None = codecs if any(c is not None for c in codecs) else None  # type: ignore[assignment]
         self.overlap = bool(self.cfg.get("overlap", False)) and world.world_size > 1
         if self.overlap:
             self._comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comm")
@@ -135,8 +144,12 @@ class FlatGradSynchronizer(Synchronizer):
     # --- the step --------------------------------------------------------------------------------
 
     def _start(self, index: int) -> InFlight:
-        self.buckets[index].view.div_(self.world.world_size)
+        self._mean_(index)
         return self.launch(index)
+
+    def _mean_(self, index: int) -> None:
+        if self.codecs is None or self.codecs[index].divides_first:
+            self.buckets[index].view.div_(self.world.world_size)
 
     def launch(self, index: int) -> InFlight:
         """Start bucket ``index``'s collective during backward, where the algorithm runs it."""
@@ -144,13 +157,33 @@ class FlatGradSynchronizer(Synchronizer):
 
     def _timed(self, index: int) -> Traffic:
         start = time.perf_counter()
+        if self.codecs is not None:
+            moved = self.codecs[index].reduce_(self.buckets[index].view, self)
+            return Traffic(moved.sent, moved.recv, start, time.perf_counter(), moved.payload, moved.t_encode, moved.t_decode)
         sent, recv = self.allreduce_(self.buckets[index].view, self.scratch[index])
         return Traffic(sent, recv, start, time.perf_counter())
+
+    # --- what a codec's reduction runs on (testbed.compress.codec.Collectives) ---------------
+
+    @property
+    def world_size(self) -> int:
+        return self.world.world_size
+
+    def allreduce_payload_(self, payload: torch.Tensor) -> tuple[int, int]:
+        return self.allreduce_(payload, None)
+
+    def allgather_payload(self, payload: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        """Every rank's payload, in rank order: around a ring, for the testbed's own schedules
+        (whose all-reduce is their own; the allgather of a non-linear codec is the ring's)."""
+        gathered = torch.empty(self.world_size * payload.numel(), dtype=payload.dtype, device=payload.device)
+        gathered.view(self.world_size, -1)[self.world.rank].copy_(payload)
+        traffic = ring_allgather_(gathered)
+        return gathered, traffic.sent, traffic.recv
 
     def after_backward(self, step: int, is_boundary: bool = True) -> SyncReport:
         if not is_boundary:  # accumulate locally; communicate once per window
             return SyncReport()
-        if self.world.world_size == 1:
+        if self.world.world_size == 1 and self.codecs is None:  # a codec still changes the gradients
             return SyncReport(t_comm=0.0)
         if self.overlap:
             for index in range(len(self._launched), len(self.buckets)):  # parameters backward did not reach
@@ -158,11 +191,18 @@ class FlatGradSynchronizer(Synchronizer):
             results = [flight.result() for flight in self._launched]
         else:
             results = []
-            for index, bucket in enumerate(self.buckets):
-                bucket.view.div_(self.world.world_size)
+            for index in range(len(self.buckets)):
+                self._mean_(index)
                 results.append(self._timed(index))
-        return SyncReport(bytes_sent=sum(r.sent for r in results), bytes_recv=sum(r.recv for r in results),
-                          t_comm=busy_time([(r.start, r.end) for r in results]))
+        report = SyncReport(bytes_sent=sum(r.sent for r in results), bytes_recv=sum(r.recv for r in results),
+                            t_comm=busy_time([(r.start, r.end) for r in results]))
+        if self.codecs is not None:
+            report.t_encode = sum(r.t_encode for r in results)
+            report.t_decode = sum(r.t_decode for r in results)
+            norms = [c.residual_norm() for c in self.codecs]
+            if all(norm is not None for norm in norms):
+                report.residual_norm = float(sum(norm**2 for norm in norms) ** 0.5)
+        return report
 
     def make_scratch(self, bucket: torch.Tensor) -> torch.Tensor | None:
         """Working memory the algorithm reuses every step for ``bucket`` (allocated once, at setup)."""
@@ -178,12 +218,17 @@ class FlatGradSynchronizer(Synchronizer):
             flat.zero_()
 
     def describe(self) -> dict[str, Any]:
-        return {
+        facts = {
             "buffer_bytes": sum(b.numel() * b.element_size() for b in self.buffers),
             "buckets": len(self.buckets),
             "bucket_mb": self.cfg.get("bucket_mb"),
             "overlap": self.overlap,
         }
+        if self.codecs is not None:
+            payload = sum(c.payload_bytes() for c in self.codecs)
+            facts["compress"] = {"codec": self.compress.name, "linear": self.codecs[0].linear,
+                                 "payload_bytes": payload, "ratio": facts["buffer_bytes"] / payload}
+        return facts
 
     def close(self) -> None:
         if self.overlap:

@@ -30,5 +30,5 @@ class RingAllReduce(FlatGradSynchronizer):
 
 RING = SimModel(series=lambda cfg: "ring", cost=lambda cfg: lambda s: ring(int(cfg.world_size), s))
 
-SPEC = SyncSpec(name="ring", schema=RingSyncConfig, impl=RingAllReduce, sim=RING,
+SPEC = SyncSpec(name="ring", schema=RingSyncConfig, impl=RingAllReduce, sim=RING, compresses=True,
                 check=lambda cfg: require_gloo_cpu(cfg, "sync=ring"))

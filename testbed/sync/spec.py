@@ -82,6 +82,8 @@ class SyncSpec:
     rank_env: Callable[[Any], dict[str, str]] = lambda cfg: {}
     # A world of one still communicates (a parameter server is not a peer).
     communicates_alone: bool = False
+    # Carries a gradient codec (compress=...; testbed.compress).
+    compresses: bool = False
 
     def local_servers(self, cfg: Any) -> int:
         return self.servers.count(cfg) if self.servers else 0

@@ -63,5 +63,5 @@ def _check(cfg: Any) -> None:
     require_gloo_cpu(cfg, "sync=tree")
 
 
-SPEC = SyncSpec(name="tree", schema=TreeSyncConfig, impl=TreeAllReduce, check=_check,
+SPEC = SyncSpec(name="tree", schema=TreeSyncConfig, impl=TreeAllReduce, check=_check, compresses=True,
                 sim=SimModel(series=lambda cfg: "tree", cost=_cost))

@@ -1,0 +1,168 @@
+"""The codec interface: what a gradient compressor is to the synchronizers that carry it.
+
+A codec compresses one bucket (a contiguous slice of the flat gradient buffer, or a parameter
+server shard) into one flat *payload* tensor, the bytes that go on the wire, and decodes payloads
+back into a bucket. Its payload has the same size on every rank and at every step (a function of
+the bucket's size only), so payloads all-reduce or allgather without padding or a size exchange.
+
+- A *linear* codec's payloads can be summed as they are (``decode(sum of payloads)`` is the sum
+  of the decoded ones): fp16/bf16 casts, random-k with indices every rank draws alike. The
+  all-reduce family all-reduces its payload.
+- A non-linear one (top-k, QSGD, scaled sign) cannot: its payloads are allgathered and each is
+  decoded and added, so traffic grows with n, as GRACE's allgather communicator does.
+- A codec may instead run its own collective protocol (``reduce_``): PowerSGD's two all-reduces.
+
+Error feedback (Seide et al. 2014; Karimireddy et al. 2019) keeps per bucket the part of the
+input that was not sent, and adds it to the next step's input: ``x = g + e``, send ``C(x)``,
+``e' = x - D(C(x))``. Codecs are per rank and per bucket, and see buckets in the same order at
+the same steps on every rank, so any randomness they share (random-k's indices, PowerSGD's first
+Q) is drawn from a generator seeded alike everywhere, and step counts agree without messages.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+
+@dataclass
+class CompressConfig:
+    name: str = "none"
+    # Keep what a step did not send and add it to the next step's input (a residual per bucket).
+    error_feedback: bool = False
+    # Parameter servers: encode the pull too (bidirectional compression).
+    pull: bool = False
+
+
+class Collectives(Protocol):
+    """What a synchronizer offers a codec: its own all-reduce and an allgather, each returning
+    the (bytes sent, bytes received) of this rank."""
+
+    world_size: int
+
+    def allreduce_payload_(self, payload: torch.Tensor) -> tuple[int, int]: ...
+
+    def allgather_payload(self, payload: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        """[world_size * payload.numel()]: every rank's payload, in rank order."""
+        ...
+
+
+@dataclass
+class Moved:
+    """One bucket's compressed synchronization: wire bytes, payload size, codec time (seconds)."""
+
+    sent: int = 0
+    recv: int = 0
+    payload: int = 0  # bytes this rank encoded (what one message carries)
+    t_encode: float = 0.0
+    t_decode: float = 0.0
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """What a codec declares (one module of testbed.compress per codec family): its Hydra option
+    (``compress=<name>``), schema, implementation (None: no compression), checks and label."""
+
+    name: str
+    schema: type
+    impl: type[Codec] | None
+    check: Callable[[Any], None] = lambda cfg: None  # semantic checks of cfg.compress
+    label: Callable[[Mapping[str, Any]], str] = lambda cfg: str(cfg.get("name"))
+
+
+class Codec(ABC):
+    """One bucket's codec on one rank: ``numel`` elements of ``dtype`` on ``device``, made of the
+    parameter tensors of ``shapes`` (in the bucket's order), at bucket index ``index``."""
+
+    linear: ClassVar[bool]
+    # The synchronizer divides the bucket by n before reduce_ (the mean taken before the sum, as
+    # DDP and torch's fp16 hook take it); False: the codec takes the sum and divides itself.
+    divides_first: ClassVar[bool] = True
+
+    def __init__(self, cfg: Any, numel: int, dtype: torch.dtype, device: torch.device, shapes: list[torch.Size],
+                 index: int, rank: int, seed: int) -> None:
+        self.cfg, self.numel, self.dtype, self.device = cfg, numel, dtype, device
+        self.shapes, self.index, self.rank, self.seed = shapes, index, rank, seed
+        self.error_feedback = bool(cfg.get("error_feedback", False))
+        self.residual = torch.zeros(numel, dtype=dtype, device=device) if self.error_feedback else None
+        self.steps = 0  # reductions so far: the same on every rank
+
+    @abstractmethod
+    def payload_bytes(self) -> int:
+        """Bytes this rank puts in its messages for one bucket at the current step."""
+
+    @abstractmethod
+    def reduce_(self, bucket: torch.Tensor, comm: Collectives) -> Moved:
+        """Replace ``bucket`` by its reduction over the ranks, through ``comm``."""
+
+    def residual_norm(self) -> float | None:
+        return float(self.residual.norm()) if self.residual is not None else None
+
+
+class PayloadCodec(Codec):
+    """A codec that encodes a bucket into one payload tensor and decodes payloads back; such a
+    codec also serves a parameter server (push the payload, the shard decodes it)."""
+
+    @abstractmethod
+    def payload_numel(self) -> int:
+        """Elements of the payload tensor (of ``payload_dtype``)."""
+
+    @property
+    def payload_dtype(self) -> torch.dtype:
+        return self.dtype
+
+    def payload_bytes(self) -> int:
+        return self.payload_numel() * torch.empty(0, dtype=self.payload_dtype).element_size()
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """The payload of ``x`` (1-D, ``numel`` elements); the codec may keep context for decode."""
+
+    @abstractmethod
+    def decode(self, payload: torch.Tensor, out: torch.Tensor, add: bool = False) -> None:
+        """Write (or, with ``add``, add) the decoded ``payload`` into ``out``."""
+
+    def compress(self, x: torch.Tensor) -> torch.Tensor:
+        """The payload of ``x`` with error feedback applied: ``x`` holds the input plus the old
+        residual afterwards, and the residual is what the payload does not carry."""
+        if self.residual is not None:
+            x.add_(self.residual)
+        payload = self.encode(x)
+        self.steps += 1
+        if self.residual is not None:
+            self.decode(payload, self.residual)
+            torch.sub(x, self.residual, out=self.residual)
+        return payload
+
+    def reduce_(self, bucket: torch.Tensor, comm: Collectives) -> Moved:
+        """Replace ``bucket`` (this rank's share of the mean) by the sum over ranks of the decoded
+        payloads: all-reduced for a linear codec, allgathered for a non-linear one."""
+        start = time.perf_counter()
+        payload = self.compress(bucket)
+        encoded = time.perf_counter()
+        if self.linear:
+            sent, recv = comm.allreduce_payload_(payload)
+            decoding = time.perf_counter()
+            self.decode(payload, bucket)
+        else:
+            gathered, sent, recv = comm.allgather_payload(payload)
+            decoding = time.perf_counter()
+            bucket.zero_()
+            for part in gathered.view(comm.world_size, -1):
+                self.decode(part, bucket, add=True)
+        return Moved(sent, recv, self.payload_bytes(), encoded - start, time.perf_counter() - decoding)
+
+
+def generator(device: torch.device, *key: int) -> torch.Generator:
+    """A generator seeded from ``key`` (e.g. seed, bucket, step): the same draws wherever the key is."""
+    value = 0
+    for part in key:
+        value = (value * 1_000_003 + int(part)) % (2**63 - 1)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(value)
+    return gen

@@ -1,0 +1,122 @@
+"""Quantizers: QSGD (stochastic levels of the bucket's norm) and scaled sign (EF-signSGD).
+
+- ``qsgd`` (Alistarh et al. 2017): element i is sent as sign(x_i) * l_i with l_i in {0..s}, drawn
+  so that E[l_i] = s |x_i| / ||x||_2 (unbiased); the payload is the norm (4 bytes, fp32) and one
+  int8 per element (s <= 127). The rounding draws are each rank's own (seeded by seed, rank,
+  bucket, step).
+- ``signsgd`` (Karimireddy et al. 2019, EF-signSGD): the signs, one bit per element (the last
+  byte padded with zero bits), scaled by ||x||_1 / numel (4 bytes, fp32); error feedback on by
+  default, without which scaled sign does not converge in general.
+
+Both payloads differ in scale between ranks, so they are allgathered (non-linear).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from testbed.checks import require
+from testbed.compress.codec import CodecSpec, CompressConfig, PayloadCodec, generator
+
+SCALE = torch.float32
+BITS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+
+
+@dataclass
+class QsgdConfig(CompressConfig):
+    name: str = "qsgd"
+    levels: int = 127  # s: quantization levels per sign (at most 127: one int8 per element)
+
+
+@dataclass
+class SignConfig(CompressConfig):
+    name: str = "signsgd"
+    error_feedback: bool = True
+
+
+class Qsgd(PayloadCodec):
+    linear = False
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.levels = int(self.cfg.levels)
+        self.buffer = torch.empty(4 + self.numel, dtype=torch.uint8, device=self.device)
+        self.norm = self.buffer[:4].view(SCALE)
+        self.codes = self.buffer[4:].view(torch.int8)
+
+    def payload_numel(self) -> int:
+        return self.buffer.numel()
+
+    @property
+    def payload_dtype(self) -> torch.dtype:
+        return torch.uint8
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        norm = x.norm().to(SCALE)
+        self.norm.copy_(norm)
+        if norm == 0:
+            self.codes.zero_()
+            return self.buffer
+        draw = generator(self.device, self.seed, self.rank, self.index, self.steps)
+        scaled = x.abs().to(SCALE).div_(norm).mul_(self.levels)
+        noise = torch.rand(self.numel, generator=draw, dtype=SCALE, device=self.device)
+        levels = scaled.add_(noise).floor_().clamp_(max=self.levels)
+        self.codes.copy_(levels.mul_(torch.sign(x).to(SCALE)))
+        return self.buffer
+
+    def decode(self, payload: torch.Tensor, out: torch.Tensor, add: bool = False) -> None:
+        scale = payload[:4].clone().view(SCALE) / self.levels  # a copy: a gathered slot may sit unaligned
+        values = payload[4:].view(torch.int8).to(out.dtype).mul_(scale.to(out.dtype))
+        if add:
+            out.add_(values)
+        else:
+            out.copy_(values)
+
+
+class ScaledSign(PayloadCodec):
+    linear = False
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.nbytes = -(-self.numel // 8)
+        self.buffer = torch.empty(4 + self.nbytes, dtype=torch.uint8, device=self.device)
+        self.scale = self.buffer[:4].view(SCALE)
+        self.bits = torch.zeros(self.nbytes * 8, dtype=torch.uint8, device=self.device)  # padding stays 0
+        self.weights = BITS.to(self.device)
+
+    def payload_numel(self) -> int:
+        return self.buffer.numel()
+
+    @property
+    def payload_dtype(self) -> torch.dtype:
+        return torch.uint8
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        self.scale.copy_(x.abs().sum().to(SCALE) / self.numel)
+        torch.ge(x, 0, out=self.bits[: self.numel].view(torch.bool))
+        packed = self.bits.view(-1, 8).mul(self.weights).sum(dim=1, dtype=torch.uint8)
+        self.buffer[4:].copy_(packed)
+        return self.buffer
+
+    def decode(self, payload: torch.Tensor, out: torch.Tensor, add: bool = False) -> None:
+        scale = payload[:4].clone().view(SCALE).to(out.dtype)
+        bits = payload[4:].unsqueeze(1).bitwise_and(self.weights).ne(0).view(-1)[: self.numel]
+        values = bits.to(out.dtype).mul_(2).sub_(1).mul_(scale)  # 1 -> +scale, 0 -> -scale
+        if add:
+            out.add_(values)
+        else:
+            out.copy_(values)
+
+
+def _check_qsgd(cfg: Any) -> None:
+    levels = cfg.compress.levels
+    require(1 <= levels <= 127, f"compress.levels={levels}: must be in [1, 127] (one int8 per element)")
+
+
+SPECS = (
+    CodecSpec(name="qsgd", schema=QsgdConfig, impl=Qsgd, check=_check_qsgd, label=lambda c: f"qsgd s={c['levels']}"),
+    CodecSpec(name="signsgd", schema=SignConfig, impl=ScaledSign),
+)
