@@ -1,0 +1,268 @@
+"""Gradient codecs: each codec's own identities in-process, then every codec x all-reduce
+synchronizer in one real two-rank world (wire bytes, replicas, exactness at ratio 1), then a run."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import read_json, read_jsonl, run_cli
+from omegaconf import OmegaConf
+from torch import nn
+
+from testbed.compress import CODECS, build_codec
+from testbed.compress.codec import PayloadCodec
+from testbed.launch.spawn import spawn_world
+from testbed.sync import build_synchronizer
+from testbed.world import World
+
+SHAPES = [torch.Size([24, 16]), torch.Size([24]), torch.Size([5, 24])]  # a bucket of 3 tensors
+NUMEL = sum(s.numel() for s in SHAPES)
+DEFAULTS = {name: OmegaConf.structured(spec.schema) for name, spec in CODECS.items()}
+
+
+def codec_cfg(name: str, **changes: Any) -> Any:
+    cfg = DEFAULTS[name].copy()
+    for key, value in changes.items():
+        cfg[key] = value
+    return cfg
+
+
+def make(name: str, rank: int = 0, seed: int = 0, **changes: Any) -> Any:
+    return build_codec(codec_cfg(name, **changes), torch.zeros(NUMEL), SHAPES, 0, rank, seed)
+
+
+class Alone:
+    """The collectives of a world of one: sums and gathers are the payload itself."""
+
+    world_size = 1
+
+    def allreduce_payload_(self, payload: torch.Tensor) -> tuple[int, int]:
+        return 0, 0
+
+    def allgather_payload(self, payload: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        return payload.clone(), 0, 0
+
+
+# --- each codec alone --------------------------------------------------------------------------
+
+
+def test_payload_bytes_follow_each_codecs_formula() -> None:
+    k = round(0.01 * NUMEL)
+    expected = {
+        "fp16": 2 * NUMEL, "bf16": 2 * NUMEL,
+        "topk": 4 * k + 4 * k,  # int32 indices, fp32 values (a multiple of 4 already)
+        "randomk": 4 * k,
+        "qsgd": NUMEL + 4,
+        "signsgd": math.ceil(NUMEL / 8) + 4,
+        # torch's rule compresses the 24 x 16 matrix ((24 + 16) * 2 < 384) but neither the bias
+        # nor the 5 x 24 matrix ((5 + 24) * 2 < 120 holds, so it is compressed too): P and Q at r = 1.
+        "powersgd": 4 * (24 + (24 + 16) + (5 + 24)),
+    }
+    assert set(expected) == set(CODECS) - {"none"}
+    for name, nbytes in expected.items():
+        assert make(name).payload_bytes() == nbytes, name
+
+
+@pytest.mark.parametrize("name", ["topk", "randomk"])
+def test_sparsifiers_at_ratio_one_send_everything(name: str) -> None:
+    codec = make(name, ratio=1.0, error_feedback=False)
+    x = torch.randn(NUMEL)
+    out = torch.full((NUMEL,), 7.0)
+    codec.decode(codec.encode(x), out)
+    assert torch.equal(out, x)
+
+
+@pytest.mark.parametrize("name", ["topk", "randomk", "fp16", "bf16", "signsgd", "qsgd"])
+def test_error_feedback_identity(name: str) -> None:
+    """What is sent plus the new residual is the input plus the old residual."""
+    codec = make(name, error_feedback=True)
+    assert isinstance(codec, PayloadCodec)
+    torch.manual_seed(1)
+    for _ in range(3):
+        grad = torch.randn(NUMEL)
+        old = codec.residual.clone()
+        x = grad.clone()
+        payload = codec.compress(x)
+        sent = torch.zeros(NUMEL)
+        codec.decode(payload, sent)
+        # x - decoded is exact where they are within 2x of each other (Sterbenz); the sum then is too.
+        assert torch.equal(sent + codec.residual, grad + old) if name not in ("signsgd", "qsgd") else \
+            torch.allclose(sent + codec.residual, grad + old, rtol=0, atol=1e-6)
+        assert torch.equal(x, grad + old)
+
+
+def test_randomk_draws_the_same_indices_on_every_rank() -> None:
+    codecs = [make("randomk", rank=r, seed=3) for r in range(3)]
+    x = torch.randn(NUMEL)
+    for _ in range(2):
+        for c in codecs:
+            c.compress(x.clone())
+        assert all(torch.equal(c.chosen, codecs[0].chosen) for c in codecs)
+    first = codecs[0].chosen.clone()
+    codecs[0].compress(x.clone())
+    assert not torch.equal(codecs[0].chosen, first), "each step draws new indices"
+
+
+def test_qsgd_is_unbiased_and_signsgd_keeps_signs() -> None:
+    x = torch.randn(NUMEL)
+    qsgd = make("qsgd", levels=2)
+    mean = torch.zeros(NUMEL)
+    draws = 2000
+    for _ in range(draws):
+        out = torch.zeros(NUMEL)
+        qsgd.decode(qsgd.compress(x.clone()), out)
+        mean += out / draws
+    assert float((mean - x).abs().max()) < 0.1 * float(x.norm()) / 2 ** 0.5  # ~5 sigma of the draws' mean
+    sign = make("signsgd", error_feedback=False)
+    out = torch.zeros(NUMEL)
+    sign.decode(sign.compress(x.clone()), out)
+    assert torch.equal(out.sign(), torch.where(x >= 0, 1.0, -1.0))
+    assert torch.allclose(out.abs(), x.abs().mean().expand(NUMEL))
+
+
+def test_powersgd_reconstructs_a_rank_r_matrix_at_rank_r() -> None:
+    torch.manual_seed(0)
+    rows, cols, r = 32, 24, 3
+    matrix = torch.randn(rows, r) @ torch.randn(r, cols)
+    cfg = codec_cfg("powersgd", rank=r, error_feedback=False, warm_start=False)
+    codec = build_codec(cfg, torch.zeros(rows * cols), [torch.Size([rows, cols])], 0, 0, 0)
+    bucket = matrix.flatten().clone()
+    codec.reduce_(bucket, Alone())
+    assert float((bucket.view(rows, cols) - matrix).abs().max()) < 1e-5 * float(matrix.abs().max())
+
+
+# --- every codec under every all-reduce synchronizer, in one real world ----------------------
+
+SYNCS = ["allreduce", "ring", "tree", "halving_doubling"]
+CODEC_RUNS = {
+    "none": {}, "fp16": {}, "bf16": {}, "topk": {"ratio": 0.05}, "randomk": {"ratio": 0.05}, "qsgd": {},
+    "signsgd": {}, "powersgd": {"rank": 2}, "topk_all": {"ratio": 1.0}, "randomk_all": {"ratio": 1.0},
+    "topk_overlap": {"ratio": 0.05, "overlap": True}, "powersgd_overlap": {"rank": 2, "overlap": True},
+}
+
+
+RAW_BYTES = 4 * (16 * 32 + 32 + 32 * 4 + 4)  # Net's fp32 gradients
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def codec_world(syncs: list[str], runs: dict[str, dict[str, Any]], steps: int) -> dict[str, Any]:
+    """Each (sync, codec) trains Net for ``steps`` steps of SGD on this rank's batch; returns per
+    pair its wire bytes, the bytes its payloads must take on this synchronizer's own collectives,
+    whether the replicas agree, and the final parameters."""
+    dist.init_process_group("gloo")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    world = World(rank, rank, n, n, torch.device("cpu"), "gloo", 60.0)
+    out: dict[str, Any] = {}
+    for sync_name in syncs:
+        for run, changes in runs.items():
+            name, changes = run.split("_")[0], dict(changes)
+            overlap = changes.pop("overlap", False)
+            compress = codec_cfg(name, **changes) if name != "none" else None
+            model = Net()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+            cfg = OmegaConf.create({"name": sync_name, "bucket_mb": 0.0005, "overlap": overlap, "chunk_kb": 1,
+                                    "double": True})  # two buckets
+            sync = build_synchronizer(cfg) if compress is None else \
+                type(build_synchronizer(cfg))(cfg, compress, seed=5)
+            sync.setup(model, optimizer, world)
+            gen = torch.Generator().manual_seed(rank)
+            sent = []
+            for step in range(steps):
+                x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+                with sync.micro_step(True):
+                    nn.functional.mse_loss(model(x), y).backward()
+                sent.append(sync.after_backward(step).bytes_sent)
+                optimizer.step()
+                sync.zero_grad()
+            expected = None
+            if sync.codecs is not None:  # the payloads over this synchronizer's own collectives
+                expected = 0
+                for codec in sync.codecs:
+                    if name == "powersgd":
+                        parts = [codec.first.numel(), codec.q_memory.numel()]
+                        expected += sum(sync.allreduce_payload_(torch.zeros(p))[0] for p in parts if p)
+                    elif codec.linear:
+                        expected += sync.allreduce_payload_(torch.zeros(codec.payload_numel(), dtype=codec.payload_dtype))[0]
+                    else:
+                        expected += (n - 1) * codec.payload_bytes()
+            flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+            everyone = [torch.empty_like(flat) for _ in range(n)]
+            dist.all_gather(everyone, flat)
+            out[f"{sync_name}/{run}"] = {
+                "sent": sent, "expected": expected, "agree": all(torch.equal(e, flat) for e in everyone),
+                "params": flat, "payload": None if sync.codecs is None else sum(c.payload_bytes() for c in sync.codecs),
+            }
+            sync.close()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.fixture(scope="module")
+def codec_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return spawn_world(codec_world, (SYNCS, CODEC_RUNS, 4), 2, tmp_path_factory.mktemp("codecs") / "logs")[0]
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+def test_every_codec_sends_its_payload_and_keeps_replicas_identical(codec_runs: dict[str, Any], sync: str) -> None:
+    for run in CODEC_RUNS:
+        result = codec_runs[f"{sync}/{run}"]
+        assert result["agree"], f"{sync}/{run}: replicas differ"
+        assert torch.isfinite(result["params"]).all(), f"{sync}/{run}"
+        if run != "none":
+            assert result["sent"] == [result["expected"]] * len(result["sent"]), f"{sync}/{run}"
+            if not run.endswith("_all"):
+                assert result["payload"] < RAW_BYTES, f"{sync}/{run}: no saving"
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+def test_sparsifiers_at_ratio_one_train_exactly_as_uncompressed(codec_runs: dict[str, Any], sync: str) -> None:
+    plain = codec_runs[f"{sync}/none"]["params"]
+    for run in ("topk_all", "randomk_all"):
+        assert torch.equal(codec_runs[f"{sync}/{run}"]["params"], plain), f"{sync}/{run}"
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+def test_overlapped_codecs_train_as_after_backward(codec_runs: dict[str, Any], sync: str) -> None:
+    for name in ("topk", "powersgd"):
+        assert torch.equal(codec_runs[f"{sync}/{name}_overlap"]["params"], codec_runs[f"{sync}/{name}"]["params"]), name
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+def test_half_precision_tracks_fp32(codec_runs: dict[str, Any], sync: str) -> None:
+    plain = codec_runs[f"{sync}/none"]["params"]
+    for run in ("fp16", "bf16"):
+        params = codec_runs[f"{sync}/{run}"]["params"]
+        assert float((params - plain).norm() / plain.norm()) < 1e-3, f"{sync}/{run}"
+
+
+# --- a run, as a user starts it ----------------------------------------------------------------
+
+
+def test_compressed_run_records_codec_facts_and_phases(tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    proc = run_cli(["world_size=2", "sync=ring", "compress=topk", "compress.ratio=0.1", "steps=6", "warmup_steps=1",
+                    f"hydra.run.dir={job}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = read_json(job / "summary.json")
+    facts = summary["sync_facts"]["compress"]
+    assert facts["codec"] == "topk" and not facts["linear"]
+    assert summary["sync_label"] == "ring topk 10% +ef"
+    assert summary["bytes_per_step"] == facts["payload_bytes"]  # n = 2: one allgather slot each way
+    assert 4.5 < facts["ratio"] < 5.5  # 10 % of the values, each with its index
+    assert summary["phases"]["t_encode"]["median"] > 0 and summary["phases"]["t_decode"]["median"] > 0
+    records = read_jsonl(job / "metrics" / "rank0.jsonl")
+    assert all(r["residual_norm"] > 0 for r in records)
