@@ -323,9 +323,12 @@ def simulate(cfg: Any) -> dict[str, Any]:
     """The summary a run of ``cfg`` is predicted to produce (config.ConfigError for a bad config)."""
     # Every rank is simulated and none spawned: no network to build, no GPU per rank to find.
     plain = config.to_plain(cfg)
-    if plain.get("compress", {}).get("name", "none") != "none":
-        raise config.ConfigError(f"compress={plain['compress']['name']}: the simulator does not cost codecs yet; "
-                                 "predict with compress=none, or measure the codec (python -m testbed)")
+    codec = plain.get("compress", {}).get("name", "none")
+    hook = plain["sync"].get("hook", "none")
+    if codec != "none" or hook != "none":
+        what = f"compress={codec}" if codec != "none" else f"sync.hook={hook}"
+        raise config.ConfigError(f"{what}: the simulator does not cost codecs yet; predict without it, or measure "
+                                 "it (python -m testbed)")
     config.validate(OmegaConf.create({**plain, "network": {"name": "loopback"}}), local_world_size=1, simulated=True)
     prediction = predict(cfg)
     summary = summarize(plain, prediction.records, label=run_label(plain))

@@ -8,12 +8,15 @@ is only the end of the step, and ``t_wait`` is 0 (DDP does not expose what it wa
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from testbed.checks import require
@@ -23,11 +26,28 @@ from testbed.sync.base import Synchronizer, SyncReport
 from testbed.sync.spec import SimModel, SyncBase, SyncSpec
 from testbed.world import World
 
+HOOKS = ("none", "fp16", "bf16", "powersgd")
+
+
+@dataclass
+class PowerSgdHookConfig:
+    """torch's PowerSGDState, by its own names (sync.hook=powersgd)."""
+
+    matrix_approximation_rank: int = 1
+    start_powerSGD_iter: int = 2  # noqa: N815 (torch's name); > 1 with error feedback or warm start
+    min_compression_rate: float = 2.0
+    use_error_feedback: bool = True
+    warm_start: bool = True
+
 
 @dataclass
 class DdpSyncConfig(SyncBase):
     name: str = "ddp"
     bucket_mb: float = 25.0  # DistributedDataParallel's bucket_cap_mb
+    # torch's own communication hook (torch.distributed.algorithms.ddp_comm_hooks): the reference
+    # the testbed's codecs (compress=fp16|bf16|powersgd) are measured against.
+    hook: str = "none"
+    powersgd: PowerSgdHookConfig = field(default_factory=PowerSgdHookConfig)
 
 
 class DdpSync(Synchronizer):
@@ -43,7 +63,17 @@ class DdpSync(Synchronizer):
             broadcast_buffers=False,
         )
         n = world.world_size
-        self.bytes_per_step = 2 * (n - 1) * gradient_bytes(model) // n  # what its ring all-reduce moves
+        self.powersgd = None
+        hook = self.cfg.get("hook", "none")
+        if hook in ("fp16", "bf16"):
+            self.module.register_comm_hook(None, getattr(default_hooks, f"{hook}_compress_hook"))
+        elif hook == "powersgd":
+            self.powersgd = powerSGD_hook.PowerSGDState(process_group=None, **OmegaConf.to_container(self.cfg.powersgd))
+            self.module.register_comm_hook(self.powersgd, powerSGD_hook.powerSGD_hook)
+        self.raw_bytes = gradient_bytes(model)
+        wire = self.raw_bytes // 2 if hook in ("fp16", "bf16") else self.raw_bytes
+        self.bytes_per_step = 2 * (n - 1) * wire // n  # what its ring all-reduce moves
+        self._compressed = 0  # PowerSGD's elements after compression, summed over its steps so far
 
     def micro_step(self, is_boundary: bool) -> AbstractContextManager[None]:
         # DDP decides during forward whether backward communicates.
@@ -52,14 +82,21 @@ class DdpSync(Synchronizer):
     def after_backward(self, step: int, is_boundary: bool = True) -> SyncReport:
         if not is_boundary:
             return SyncReport()
-        return SyncReport(bytes_sent=self.bytes_per_step, bytes_recv=self.bytes_per_step)
+        moved = self.bytes_per_step
+        if self.powersgd is not None and self.powersgd.total_numel_after_compression:
+            # PowerSGD counts the elements it sends (P, Q and the tensors it leaves whole) per bucket.
+            after = self.powersgd.total_numel_after_compression
+            n, esize = self.world.world_size, self.raw_bytes // sum(p.numel() for p in self.model.parameters())
+            moved = 2 * (n - 1) * (after - self._compressed) * esize // n
+            self._compressed = after
+        return SyncReport(bytes_sent=moved, bytes_recv=moved)
 
     def zero_grad(self) -> None:
         # Zero in place: the grads are views into DDP's buckets.
         self.optimizer.zero_grad(set_to_none=False)
 
     def describe(self) -> dict[str, Any]:
-        return {"bucket_mb": float(self.cfg.bucket_mb), "backend": self.world.backend}
+        return {"bucket_mb": float(self.cfg.bucket_mb), "backend": self.world.backend, "hook": self.cfg.get("hook", "none")}
 
     def close(self) -> None:
         # Drop DDP while the process group is still registered. Its reducer holds the group; were
@@ -69,8 +106,25 @@ class DdpSync(Synchronizer):
         self.module = self.model
 
 
+def _check(cfg: Any) -> None:
+    sync = cfg.sync
+    require(sync.bucket_mb > 0, f"sync.bucket_mb={sync.bucket_mb}: must be > 0 (DDP's bucket cap)")
+    require(sync.hook in HOOKS, f"sync.hook={sync.hook}: allowed: {'|'.join(HOOKS)}")
+    if sync.hook == "powersgd":
+        ps = sync.powersgd
+        require(ps.matrix_approximation_rank >= 1, f"sync.powersgd.matrix_approximation_rank={ps.matrix_approximation_rank}: must be >= 1")
+        require(ps.start_powerSGD_iter > 1 or not (ps.use_error_feedback or ps.warm_start),
+                f"sync.powersgd.start_powerSGD_iter={ps.start_powerSGD_iter}: torch needs > 1 with error feedback or warm start")
+
+
+def _label(sync: Mapping[str, Any]) -> str:
+    hook = sync.get("hook", "none")
+    if hook == "powersgd":
+        return f"ddp powersgd r={sync['powersgd']['matrix_approximation_rank']}"
+    return "ddp" if hook == "none" else f"ddp {hook}"
+
+
 SPEC = SyncSpec(
-    name="ddp", schema=DdpSyncConfig, impl=DdpSync,
+    name="ddp", schema=DdpSyncConfig, impl=DdpSync, check=_check, label=_label,
     sim=SimModel(series=NATIVE.series, cost=NATIVE.cost, overlap=lambda cfg: True),  # DDP always overlaps
-    check=lambda cfg: require(cfg.sync.bucket_mb > 0, f"sync.bucket_mb={cfg.sync.bucket_mb}: must be > 0 (DDP's bucket cap)"),
 )
