@@ -319,3 +319,23 @@ def test_codecs_match_torchs_ddp_hooks(tmp_path: Path) -> None:
         for a, b in zip(ours["losses"], theirs["losses"]):
             assert abs(a - b) <= 0.05 * abs(b), (name, ours["losses"], theirs["losses"])
     assert results["powersgd/testbed"]["sent"][2] < results["powersgd/testbed"]["sent"][0] / 2  # compressed from step 2
+
+
+def test_codec_benchmark_records_every_codec(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from testbed.bench import codecs
+
+    out = tmp_path / "codecs.json"
+    assert codecs.main(["--sizes", "64K", "--reps", "2", "--out", str(out)]) == 0
+    records = read_json(out)
+    assert {r["codec"] for r in records} == set(CODECS) - {"none"}
+    for r in records:
+        assert r["bytes"] == 64 * 1024 and r["encode_s"] > 0 and r["decode_s"] > 0
+        assert r["ratio"] == pytest.approx(r["bytes"] / make_payload_bytes(r["codec"], r["bytes"] // 4))
+    assert "encode ms/MB" in capsys.readouterr().out
+
+
+def make_payload_bytes(name: str, numel: int) -> int:
+    from testbed.bench.codecs import shapes_of
+
+    cfg = codec_cfg(name, **({"ratio": 0.01} if "ratio" in DEFAULTS[name] else {}))
+    return build_codec(cfg, torch.zeros(numel), shapes_of(4 * numel), 0, 0, 0).payload_bytes()

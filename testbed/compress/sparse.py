@@ -4,7 +4,8 @@
 payload carries them (int32 indices, then the values: 4k + k * element bytes, padded to a multiple of 4 or of the
 element size) and is allgathered
 (non-linear). Random-k's indices come from a generator seeded by (seed, bucket, step), the same
-on every rank, so only the k values travel and they sum inside an all-reduce (linear). Neither
+on every rank (with replacement: about ratio / 2 of them repeat), so only the k values travel and
+they sum inside an all-reduce (linear). Neither
 rescales the values (as GRACE's): with error feedback (on by default) what is not sent now is
 sent later; at ratio 1 both send everything, exactly.
 """
@@ -93,14 +94,24 @@ class RandomK(PayloadCodec):
         return self.k
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        draw = generator(self.device, self.shared_seed, self.index, self.steps)
-        self.chosen = torch.randperm(self.numel, generator=draw, device=self.device)[: self.k]
+        self.chosen = self.indices(self.steps)
         return torch.index_select(x, 0, self.chosen, out=self.values)
 
+    def indices(self, step: int) -> torch.Tensor:
+        """Step ``step``'s k indices, drawn with replacement (as BytePS's random-k: O(k), where a
+        permutation costs O(numel)); all of them, in order, at ratio 1."""
+        if self.k == self.numel:
+            return torch.arange(self.numel, device=self.device)
+        draw = generator(self.device, self.shared_seed, self.index, step)
+        return torch.randint(self.numel, (self.k,), generator=draw, device=self.device)
+
     def decode(self, payload: torch.Tensor, out: torch.Tensor, add: bool = False) -> None:
-        if not add:
+        # Put, not add: a repeated index carries the same value twice and must land once.
+        if add:
+            out.index_put_((self.chosen,), out[self.chosen] + payload)
+        else:
             out.zero_()
-        out.index_add_(0, self.chosen, payload)
+            out.index_put_((self.chosen,), payload)
 
 
 def _check(cfg: Any) -> None:
