@@ -553,7 +553,8 @@ def _validate_compress(cfg: DictConfig) -> None:
     require(SYNCHRONIZERS[cfg.sync.name].compresses,
             f"compress={codec} with sync={cfg.sync.name}: this synchronizer does not carry a codec; "
             f"use sync={carriers}, or compress=none")
-    require(not cfg.compress.pull, f"compress.pull=true: only a parameter server pulls; sync={cfg.sync.name} has no pull")
+    require(not cfg.compress.pull or SYNCHRONIZERS[cfg.sync.name].servers is not None,
+            f"compress.pull=true: only a parameter server pulls; sync={cfg.sync.name} has no pull")
 
 
 def _validate_imbalance(cfg: DictConfig) -> None:

@@ -339,3 +339,52 @@ def make_payload_bytes(name: str, numel: int) -> int:
 
     cfg = codec_cfg(name, **({"ratio": 0.01} if "ratio" in DEFAULTS[name] else {}))
     return build_codec(cfg, torch.zeros(numel), shapes_of(4 * numel), 0, 0, 0).payload_bytes()
+
+
+# --- the parameter server: compressed pushes ----------------------------------------------------
+
+
+def test_ps_with_topk_equals_a_hand_computed_step(tmp_path: Path) -> None:
+    """Two workers push top-k payloads to a real shard; the pulled parameters are the hand step:
+    p - lr * (decode(topk(g0)) + decode(topk(g1))) / 2, exactly (lr a power of two)."""
+    from conftest import LR, SGD, client
+
+    from testbed.ps.launch import LocalServers
+
+    numel = 3000  # several 1 KiB chunks: the payload crosses chunk boundaries
+    cfg = codec_cfg("topk", ratio=0.1)
+    torch.manual_seed(0)
+    start, grads = torch.randn(numel), [torch.randn(numel), torch.randn(numel)]
+    sync_cfg = {"servers": 1, "mode": "sync", "staleness": 0, "chunk_kb": 1, "host": "127.0.0.1"}
+    with LocalServers(sync_cfg, SGD, 2, tmp_path / "logs", compress=OmegaConf.to_container(cfg), seed=0) as ps:
+        workers = [client(ps, w) for w in range(2)]
+        workers[0].init_params([start.clone()])
+        decoded = []
+        for w, c in enumerate(workers):
+            codec = build_codec(cfg, grads[w], [grads[w].shape], 0, w, 0)
+            payload = codec.compress(grads[w].clone())
+            dense = torch.zeros(numel)
+            codec.decode(payload, dense)
+            decoded.append(dense)
+            c.push_shard(0, payload, 0)
+        params = torch.zeros(numel)
+        workers[1].pull([params], 1)
+        stats = workers[0].stats()[0]
+        for c in workers:
+            c.close()
+    mean = decoded[0].clone().add_(decoded[1]).div_(2)
+    assert torch.equal(params, start - LR * mean)
+    assert (decoded[0] != 0).sum() == 300 and not torch.equal(decoded[0], grads[0])
+    assert stats.bytes_in == numel * 4 + 2 * (8 * 300)  # the initial parameters, then two payloads
+
+
+@pytest.mark.parametrize("codec", ["topk", "randomk", "signsgd"])
+def test_ps_run_with_a_codec_pushes_its_payload(tmp_path: Path, codec: str) -> None:
+    job = tmp_path / "job"
+    proc = run_cli(["world_size=2", "sync=ps", f"compress={codec}", "steps=4", "warmup_steps=1", f"hydra.run.dir={job}"],
+                   cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = read_json(job / "summary.json")
+    facts = summary["sync_facts"]["compress"]
+    assert summary["bytes_per_step"] == facts["payload_bytes"] < summary["gradient_bytes"] / 10
+    assert summary["replicas_identical"] and summary["sync_facts"]["server_stats"][0]["rejected"] == 0

@@ -127,6 +127,10 @@ class PayloadCodec(Codec):
     def decode(self, payload: torch.Tensor, out: torch.Tensor, add: bool = False) -> None:
         """Write (or, with ``add``, add) the decoded ``payload`` into ``out``."""
 
+    def expect(self, step: int) -> None:
+        """The next payload to decode was encoded at ``step`` by a codec like this one elsewhere
+        (a parameter server decoding a worker's push): set whatever decode draws from the step."""
+
     def compress(self, x: torch.Tensor) -> torch.Tensor:
         """The payload of ``x`` with error feedback applied: ``x`` holds the input plus the old
         residual afterwards, and the residual is what the payload does not carry."""

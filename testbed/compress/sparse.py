@@ -97,6 +97,9 @@ class RandomK(PayloadCodec):
         self.chosen = self.indices(self.steps)
         return torch.index_select(x, 0, self.chosen, out=self.values)
 
+    def expect(self, step: int) -> None:
+        self.chosen = self.indices(step)
+
     def indices(self, step: int) -> torch.Tensor:
         """Step ``step``'s k indices, drawn with replacement (as BytePS's random-k: O(k), where a
         permutation costs O(numel)); all of them, in order, at ratio 1."""

@@ -34,13 +34,16 @@ class LocalServers:
     def __init__(
         self, sync_cfg: dict[str, Any], optim_cfg: dict[str, Any], workers: int, log_dir: Path,
         hosts: list[tuple[str, str]] | None = None, checkpoint: tuple[Path, int] | None = None,
-        restore: Path | None = None,
+        restore: Path | None = None, compress: dict[str, Any] | None = None, seed: int = 0,
     ) -> None:
         """``hosts``: (network namespace, address) per shard on an emulated network; ``checkpoint``:
         (directory, every) for sync-mode checkpoints; ``restore``: a checkpoint step directory whose
-        ``ps<shard>.pt`` each shard starts from."""
+        ``ps<shard>.pt`` each shard starts from; ``compress``: the workers' codec config (and
+        ``seed`` the run's), whose payloads the shards decode."""
         self.sync_cfg, self.optim_cfg, self.workers, self.log_dir = sync_cfg, optim_cfg, workers, log_dir
         self.hosts, self.checkpoint, self.restore = hosts, checkpoint, restore
+        self.compress = compress if compress and compress.get("name", "none") != "none" else None
+        self.seed = seed
         self.token = secrets.token_hex(16)
         self.procs: list[subprocess.Popen] = []
         self.addresses: list[str] = []
@@ -82,6 +85,8 @@ class LocalServers:
                 cmd += ["--checkpoint-dir", str(self.checkpoint[0]), "--checkpoint-every", str(self.checkpoint[1])]
             if self.restore:
                 cmd += ["--restore", str(self.restore / f"ps{shard}.pt")]
+            if self.compress:
+                cmd += ["--compress", json.dumps(self.compress), "--seed", str(self.seed)]
             log = open(self.log_dir / f"ps{shard}.log", "w")
             self.procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
             log.close()

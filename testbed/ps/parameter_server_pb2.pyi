@@ -14,11 +14,13 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FLOAT64: _ClassVar[DType]
     BFLOAT16: _ClassVar[DType]
     FLOAT16: _ClassVar[DType]
+    UINT8: _ClassVar[DType]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT64: DType
 BFLOAT16: DType
 FLOAT16: DType
+UINT8: DType
 
 class TensorChunk(_message.Message):
     __slots__ = ("worker", "shard", "offset", "length", "dtype", "step", "data")

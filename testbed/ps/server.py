@@ -43,6 +43,8 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from omegaconf import OmegaConf
 
+from testbed.compress import build_codec
+from testbed.compress.codec import PayloadCodec
 from testbed.optim import SgdConfig, build_optimizer
 from testbed.ps import parameter_server_pb2 as pb
 from testbed.ps import parameter_server_pb2_grpc as pb_grpc
@@ -81,9 +83,14 @@ class Refused(Exception):
 class Shard:
     """The state of one shard and its update rules; all methods are safe to call from many threads."""
 
-    def __init__(self, shard: int, workers: int, mode: str, staleness: int, optim_cfg: Any, chunk_bytes: int) -> None:
+    def __init__(self, shard: int, workers: int, mode: str, staleness: int, optim_cfg: Any, chunk_bytes: int,
+                 compress: Any = None, seed: int = 0) -> None:
+        """``compress``: the workers' codec config (testbed.compress), whose payloads the pushes
+        carry; ``seed``: the run's, for the draws a codec shares with its workers."""
         self.shard, self.workers, self.mode, self.staleness = shard, workers, mode, staleness
         self.optim_cfg, self.chunk_bytes = optim_cfg, chunk_bytes
+        self.compress, self.seed = compress, seed
+        self.codecs: list[PayloadCodec] | None = None  # one per worker, built with the parameters
         self.cond = threading.Condition()
         self.params: torch.nn.Parameter | None = None
         self.version = 0
@@ -162,6 +169,11 @@ class Shard:
         self.optimizers = [build_optimizer(self.optim_cfg, [self.part_params[i] for i in block]) for block in self.blocks]
         self.applied = len(self.parts)
         self.snapshots = torch.zeros(self.workers, numel, dtype=dtype) if self.mode != "sync" else None
+        if self.compress is not None and self.compress.name != "none":
+            codecs = [build_codec(self.compress, values, [values.shape], self.shard, w, self.seed) for w in range(self.workers)]
+            if not all(isinstance(c, PayloadCodec) for c in codecs):
+                raise SystemExit(f"compress={self.compress.name}: a parameter server decodes payloads; this codec has none")
+            self.codecs = codecs  # type: ignore[assignment]
         if self.mode == "sync":
             threading.Thread(target=self._update_loop, name=f"ps{self.shard}-update", daemon=True).start()
 
@@ -232,10 +244,14 @@ class Shard:
             self.pushing.add(worker)
         try:
             received: list[Chunk] = []  # outside the lock; staged only once the whole stream is valid
-            self._receive("Push", first, stream, self.params.numel(), self.params.dtype, worker_bound=self.workers,
+            numel, dtype = self.params.numel(), self.params.dtype
+            if self.codecs is not None:
+                numel, dtype = self.codecs[worker].payload_numel(), self.codecs[worker].payload_dtype
+            self._receive("Push", first, stream, numel, dtype, worker_bound=self.workers,
                           same=("worker", "step"), changed="worker and step must not change mid-stream",
                           take=received.append)
-            return self._commit(worker, int(first.step), self._partitioned(received))
+            staged = self._partitioned(received) if self.codecs is None else self._decoded(worker, received)
+            return self._commit(worker, int(first.step), staged)
         finally:
             with self.cond:
                 self.pushing.discard(worker)
@@ -251,6 +267,19 @@ class Shard:
         for chunk in received:
             copy_in(flat, chunk.offset, chunk.data)
         return [flat[lo:hi] for lo, hi in self.parts]
+
+    def _decoded(self, worker: int, received: list[Chunk]) -> list[torch.Tensor]:
+        """A compressed push decoded into a gradient of its own, as one view per partition. The
+        worker's clock is its pushes so far: the step its codec encoded at (random-k's draws)."""
+        assert self.params is not None and self.codecs is not None
+        codec = self.codecs[worker]
+        payload = torch.empty(codec.payload_numel(), dtype=codec.payload_dtype)
+        for chunk in received:
+            copy_in(payload, chunk.offset, chunk.data)
+        codec.expect(self.clocks[worker])  # the worker's own pushes move its clock: stable here
+        dense = torch.empty_like(self.params.detach())
+        codec.decode(payload, dense)
+        return [dense[lo:hi] for lo, hi in self.parts]
 
     def _gradient(self, part: int, workers: range | list[int]) -> torch.Tensor:
         """One partition's gradient from the pushes of ``workers`` (all of them in sync mode, the one
@@ -278,7 +307,8 @@ class Shard:
         with self.cond:
             self.staged[worker] = received
             self.stats["pushes"] += 1
-            self.stats["bytes_in"] += self.params.numel() * self.params.element_size()
+            self.stats["bytes_in"] += (self.codecs[worker].payload_bytes() if self.codecs is not None
+                                       else self.params.numel() * self.params.element_size())
             self.clocks[worker] += 1
             if self.mode == "sync":
                 self.pending.add(worker)
@@ -569,7 +599,8 @@ class TokenInterceptor(grpc.ServerInterceptor):
 def serve(args: argparse.Namespace) -> None:
     token = token_from_env()
     optim_cfg = OmegaConf.create(json.loads(args.optim))
-    shard = Shard(args.shard, args.workers, args.mode, args.staleness, optim_cfg, args.chunk_kb * 1024)
+    compress = OmegaConf.create(json.loads(args.compress)) if args.compress else None
+    shard = Shard(args.shard, args.workers, args.mode, args.staleness, optim_cfg, args.chunk_kb * 1024, compress, args.seed)
     if args.checkpoint_dir:
         shard.checkpoint_dir, shard.checkpoint_every = Path(args.checkpoint_dir), args.checkpoint_every
     if args.restore:
@@ -620,6 +651,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     parser.add_argument("--port-file", default="", help="write the bound port here once serving")
     parser.add_argument("--chunk-kb", type=int, default=CHUNK_KB, help="pull chunk size")
+    parser.add_argument("--compress", default="", help="the workers' codec config as JSON (testbed.compress); pushes carry its payloads")
+    parser.add_argument("--seed", type=int, default=0, help="the run's seed (draws a codec shares with the workers)")
     parser.add_argument("--tls-cert", default="", help="serve TLS with this PEM certificate (and --tls-key)")
     parser.add_argument("--tls-key", default="", help="the certificate's PEM private key")
     parser.add_argument("--checkpoint-dir", default="", help="sync mode: save the state here every --checkpoint-every updates")

@@ -27,7 +27,8 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
 
-TO_WIRE = {torch.float32: pb.FLOAT32, torch.float64: pb.FLOAT64, torch.bfloat16: pb.BFLOAT16, torch.float16: pb.FLOAT16}
+TO_WIRE = {torch.float32: pb.FLOAT32, torch.float64: pb.FLOAT64, torch.bfloat16: pb.BFLOAT16, torch.float16: pb.FLOAT16,
+           torch.uint8: pb.UINT8}
 FROM_WIRE = {v: k for k, v in TO_WIRE.items()}
 
 

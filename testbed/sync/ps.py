@@ -12,6 +12,7 @@ and apply them exactly as without overlap.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -25,6 +26,8 @@ from torch import nn
 
 from testbed.checks import require, resolved_device
 from testbed.collectives.common import chunk_bounds
+from testbed.compress import build_codec
+from testbed.compress.codec import PayloadCodec
 from testbed.faults import PS_PIDS_ENV
 from testbed.ps.modes import CHUNK_KB, MAX_CHUNK_KB, MODES, STALENESS
 from testbed.sim.costs import Cost, parameter_server
@@ -70,6 +73,9 @@ class ParameterServerSync(Synchronizer):
         self.param_shards = [self.flat_params[lo:hi] for lo, hi in bounds]
         self.grad_shards = [self.flat_grads[lo:hi] for lo, hi in bounds]
         self.bytes_per_step = numel * self.flat_params.element_size()
+        codecs = [build_codec(self.compress, g, [g.shape], i, world.rank, self.seed) for i, g in enumerate(self.grad_shards)]
+        self.codecs: list[PayloadCodec] | None = codecs if any(c is not None for c in codecs) else None  # type: ignore[assignment]
+        self._encoded: dict[int, float] = {}  # encode seconds per shard, this step
 
         self.client = PsClient(list(self.cfg.addresses), token_from_env(), world.rank, world.timeout_s,
                                self.cfg.chunk_kb * 1024, tls_of(self.cfg)[2])
@@ -109,7 +115,19 @@ class ParameterServerSync(Synchronizer):
         return self._readiness.armed()
 
     def _launch(self, i: int) -> None:
-        self._launched[i] = self._pushes.submit(self.client.push_shard, i, self.grad_shards[i], self.versions[i])
+        self._launched[i] = self._pushes.submit(self._push_shard, i)
+
+    def _payload(self, i: int) -> torch.Tensor:
+        """Shard i's gradient as it travels: encoded (error feedback applied) with a codec."""
+        if self.codecs is None:
+            return self.grad_shards[i]
+        start = time.perf_counter()
+        payload = self.codecs[i].compress(self.grad_shards[i])
+        self._encoded[i] = time.perf_counter() - start
+        return payload
+
+    def _push_shard(self, i: int) -> Any:
+        return self.client.push_shard(i, self._payload(i), self.versions[i])
 
     # --- the step --------------------------------------------------------------------------------
 
@@ -122,17 +140,24 @@ class ParameterServerSync(Synchronizer):
                     self._launch(i)
             replies = [self._launched[i].result() for i in range(len(self.grad_shards))]
         else:
-            replies = self.client.push(self.grad_shards, self.versions)
+            replies = self.client.push([self._payload(i) for i in range(len(self.grad_shards))], self.versions)
         self.clock += 1
         pulled = self.client.pull(self.param_shards, self.clock)
         self.versions = pulled.versions
-        return SyncReport(
+        report = SyncReport(
             bytes_sent=self.bytes_per_step,  # payload bytes; gRPC and protobuf framing add ~0.01 %
             bytes_recv=self.bytes_per_step,
             staleness=max(r.staleness for r in replies),
             t_wait=pulled.blocked_s,
             replicas_agree=self.cfg.mode == "sync",  # async and ssp replicas pull different versions
         )
+        if self.codecs is not None:  # the shards decode; their time is the server's
+            report.bytes_sent = sum(c.payload_bytes() for c in self.codecs)
+            report.t_encode = sum(self._encoded.values())
+            norms = [c.residual_norm() for c in self.codecs]
+            if all(norm is not None for norm in norms):
+                report.residual_norm = float(sum(norm**2 for norm in norms) ** 0.5)
+        return report
 
     def finalize(self) -> None:
         # In async and ssp modes workers stop at different versions; once every worker has pushed
@@ -146,7 +171,7 @@ class ParameterServerSync(Synchronizer):
     def describe(self) -> dict[str, Any]:
         from testbed.ps.client import describe_stats
 
-        return {
+        facts = {
             "mode": self.cfg.mode,
             "servers": int(self.cfg.servers),
             "staleness_bound": int(self.cfg.staleness) if self.cfg.mode == "ssp" else None,
@@ -154,6 +179,11 @@ class ParameterServerSync(Synchronizer):
             "overlap": self.overlap,
             "server_stats": describe_stats(self.client.stats()),
         }
+        if self.codecs is not None:
+            payload = sum(c.payload_bytes() for c in self.codecs)
+            facts["compress"] = {"codec": self.compress.name, "linear": self.codecs[0].linear,
+                                 "payload_bytes": payload, "ratio": self.bytes_per_step / payload}
+        return facts
 
     def close(self) -> None:
         if getattr(self, "overlap", False):
@@ -190,6 +220,12 @@ def _check(cfg: Any) -> None:
                              "started here) and the authority workers verify them with (tls_ca)")
         absent = [f"sync.{k}={v}" for k, v in given.items() if v and not Path(v).is_file()]
         require(not absent, f"{', '.join(absent)}: no such file")
+    codec = cfg.compress.name
+    require(codec != "powersgd", "compress=powersgd with sync=ps: PowerSGD needs every worker's P before anyone "
+                                 "computes Q (two all-reduces), which one push cannot carry; use an all-reduce "
+                                 "synchronizer, or another codec")
+    require(not cfg.compress.pull, "compress.pull=true: the parameter server's compressed pull is not built yet; "
+                                   "use compress.pull=false (pushes are compressed)")
     require(not (cfg.network.name == "emulated" and ps.addresses),
             "network=emulated starts its own parameter servers inside the network; drop sync.addresses")
     if cfg.checkpoint.every or cfg.resume:
@@ -206,7 +242,8 @@ def _start_servers(
     from testbed.ps.launch import LocalServers
     from testbed.ps.wire import TOKEN_ENV
 
-    with LocalServers(plain["sync"], plain["optim"], world_size, log_dir, hosts, saving, restore) as ps:
+    with LocalServers(plain["sync"], plain["optim"], world_size, log_dir, hosts, saving, restore, plain.get("compress"),
+                      int(plain.get("seed", 0))) as ps:
         plain["sync"]["addresses"] = ps.addresses
         # The token is inherited by the ranks and kept out of the config; the pids serve fault=kill_ps.
         yield {TOKEN_ENV: ps.token, PS_PIDS_ENV: json.dumps([proc.pid for proc in ps.procs])}
@@ -224,7 +261,7 @@ SPEC = SyncSpec(
         count=lambda cfg: 0 if cfg.sync.addresses else int(cfg.sync.servers),
         start=_start_servers,
         apart="start the servers with python -m testbed.ps.server and pass sync.addresses=[host:port,...] "
-              "(and TESTBED_PS_TOKEN on servers and workers)",
+              "(and TESTBED_PS_TOKEN on servers and workers; with a codec, the servers' --compress and --seed)",
     ),
-    communicates_alone=True,
+    communicates_alone=True, compresses=True,
 )
