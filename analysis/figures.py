@@ -155,7 +155,8 @@ def convergence(curves: pd.DataFrame, target: float, out: Path) -> list[Path]:
 def step_breakdown(runs: pd.DataFrame, out: Path) -> list[Path]:
     """Figure 4 style: stacked median phase times per run (sync split into wait and transfer)."""
     frame = breakdown(runs).sort_values(["option", "world_size", "overrides"])
-    phases = [c for c in ("t_data", "t_injected", "t_forward", "t_backward", "t_transfer", "t_wait", "t_optimizer")
+    phases = [c for c in ("t_data", "t_injected", "t_forward", "t_backward", "t_encode", "t_transfer", "t_decode", "t_wait",
+                          "t_optimizer")
               if c in frame.columns]
     fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(frame) + 2), 4.5))
     bottom = pd.Series(0.0, index=frame.index)

@@ -25,7 +25,7 @@ SUMMARY_COLUMNS = (
     "imbalance", "idle_fraction", "bytes_per_step", "final_loss",
 )
 # Overrides that do not describe the experiment (where it ran, how it logs) or that a label shows anyway.
-QUIET = ("sync=", "+experiment=", "device=", "launcher.", "hydra.", "wandb.", "sim.")
+QUIET = ("sync=", "compress=", "+experiment=", "device=", "launcher.", "hydra.", "wandb.", "sim.")
 
 
 def run_row(summary: dict[str, Any], overrides: list[str], source: str) -> dict[str, Any]:
@@ -37,6 +37,9 @@ def run_row(summary: dict[str, Any], overrides: list[str], source: str) -> dict[
     row["overrides"] = ",".join(overrides)
     # The sync option as chosen (ps_sharded), which the per-run label (ps-sync k=4) does not keep.
     row["option"] = next((o.split("=", 1)[1] for o in overrides if o.startswith("sync=")), row["sync"])
+    codec = next((o.split("=", 1)[1] for o in overrides if o.startswith("compress=")), "none")
+    if codec != "none":  # a codec makes its own series: compared with, never averaged into, the plain one
+        row["option"] = f"{row['option']}+{codec}"
     row["simulated"] = bool(summary.get("simulated"))
     if row["simulated"]:  # drawn as its own series beside the measured one
         row["option"] = f"{row['option']} (simulated)"

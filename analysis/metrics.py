@@ -79,16 +79,19 @@ def swept_keys(runs: pd.DataFrame) -> list[str]:
     return keys
 
 
-PHASES = ("t_data", "t_injected", "t_forward", "t_backward", "t_optimizer", "t_wait", "t_sync")
+PHASES = ("t_data", "t_injected", "t_forward", "t_backward", "t_optimizer", "t_wait", "t_encode", "t_decode", "t_sync")
 
 
 def breakdown(runs: pd.DataFrame) -> pd.DataFrame:
-    """Median phase times per run (ms), with sync split into waiting for peers and the rest."""
+    """Median phase times per run (ms), with sync split into waiting for peers, a codec's encoding
+    and decoding (where a run has one; overlapped with backward, part of them was hidden) and the
+    rest, the transfer."""
     ok = runs[runs["status"] == "ok"].copy()
     cols = [c for c in PHASES if c in ok.columns]
     frame = ok[["option", "world_size", "overrides", *cols]].copy()
-    if "t_wait" in frame.columns and "t_sync" in frame.columns:
-        frame["t_sync"] = (frame["t_sync"] - frame["t_wait"].fillna(0.0)).clip(lower=0.0)
+    if "t_sync" in frame.columns:
+        inside = [c for c in ("t_wait", "t_encode", "t_decode") if c in frame.columns]
+        frame["t_sync"] = (frame["t_sync"] - sum(frame[c].fillna(0.0) for c in inside)).clip(lower=0.0)
     for c in cols:
         frame[c] = 1e3 * frame[c].fillna(0.0)
     return frame.rename(columns={"t_sync": "t_transfer"})

@@ -550,9 +550,8 @@ def _validate_compress(cfg: DictConfig) -> None:
         return
     CODECS[codec].check(cfg)
     carriers = "|".join(name for name, spec in SYNCHRONIZERS.items() if spec.compresses)
-    require(SYNCHRONIZERS[cfg.sync.name].compresses,
-            f"compress={codec} with sync={cfg.sync.name}: this synchronizer does not carry a codec; "
-            f"use sync={carriers}, or compress=none")
+    spec = SYNCHRONIZERS[cfg.sync.name]
+    require(spec.compresses, f"compress={codec} with sync={cfg.sync.name}: {spec.no_codec}; use sync={carriers}, or compress=none")
     require(not cfg.compress.pull or SYNCHRONIZERS[cfg.sync.name].servers is not None,
             f"compress.pull=true: only a parameter server pulls; sync={cfg.sync.name} has no pull")
 

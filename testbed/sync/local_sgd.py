@@ -97,4 +97,5 @@ SPEC = SyncSpec(
     name="local_sgd", schema=LocalSgdSyncConfig, impl=LocalSgd, check=_check,
     sim=SimModel(series=lambda cfg: _over(cfg).series(cfg), cost=lambda cfg: _over(cfg).cost(cfg), schedule="average",
                  meets=averages_at),
+    no_codec="it averages parameters, not gradients, and encoding the model delta is not built",
 )

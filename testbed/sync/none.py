@@ -24,4 +24,4 @@ class NoSync(Synchronizer):
         return SyncReport(replicas_agree=self.world.world_size == 1)
 
 
-SPEC = SyncSpec(name="none", schema=NoneSyncConfig, impl=NoSync, sim=None)
+SPEC = SyncSpec(name="none", schema=NoneSyncConfig, impl=NoSync, sim=None, no_codec="nothing is communicated")

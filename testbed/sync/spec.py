@@ -82,8 +82,9 @@ class SyncSpec:
     rank_env: Callable[[Any], dict[str, str]] = lambda cfg: {}
     # A world of one still communicates (a parameter server is not a peer).
     communicates_alone: bool = False
-    # Carries a gradient codec (compress=...; testbed.compress).
+    # Carries a gradient codec (compress=...; testbed.compress); if not, why (for the refusal).
     compresses: bool = False
+    no_codec: str = "this synchronizer does not carry a codec"
 
     def local_servers(self, cfg: Any) -> int:
         return self.servers.count(cfg) if self.servers else 0
