@@ -7,6 +7,7 @@ warmup; ratio = testbed / DDP, the median over pairs (target <= 1.05): a shared 
 drifts within a minute, so only runs next to each other in time are compared.
 
 Example: python -m testbed.bench.overlap model.hidden=1024 model.depth=6 data.batch_size=64 --bucket-mb 25
+With ``--codec fp16|bf16|powersgd`` the pair is ``compress=<codec>`` against DDP with torch's hook.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from testbed.models import build_model, gradient_bytes, objective_batches
 from testbed.optim import build_optimizer
 from testbed.paths import config_dir
 from testbed.results.step_log import StepLog
-from testbed.sync import build_synchronizer
+from testbed.sync import spec_of
 from testbed.trainer import Trainer
 from testbed.world import close_world, init_world
 
@@ -41,12 +42,17 @@ VARIANTS = ("allreduce", "ddp")
 PHASES = ("t_data", "t_forward", "t_backward", "t_sync", "t_optimizer")
 
 
-def compose_cfgs(overrides: list[str], world_size: int, bucket_mb: float) -> dict[str, dict[str, Any]]:
-    """One validated config per variant, identical but for ``sync``."""
+def compose_cfgs(overrides: list[str], world_size: int, bucket_mb: float, codec: str = "none") -> dict[str, dict[str, Any]]:
+    """One validated config per variant, identical but for ``sync`` (and, with ``codec``, the
+    testbed's codec against torch's hook of the same name, PowerSGD from the same step)."""
     cfgs = {}
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         for name in VARIANTS:
             extra = ["sync.overlap=true"] if name == "allreduce" else []
+            if codec != "none":
+                start = "sync.powersgd.start_powerSGD_iter" if name == "ddp" else "compress.start_step"
+                extra += [f"sync.hook={codec}"] if name == "ddp" else [f"compress={codec}"]
+                extra += [f"{start}=2"] if codec == "powersgd" else []
             cfg = compose(config_name="config", overrides=[
                 f"world_size={world_size}", *overrides, f"sync={name}", f"sync.bucket_mb={bucket_mb}", *extra,
             ])
@@ -76,7 +82,7 @@ def bench_rank(plain: dict[str, dict[str, Any]], repeats: int, out_dir: str) -> 
         model = build_model(cfg.model, spec).to(world.device)
         facts["gradient_bytes"] = gradient_bytes(model)
         optimizer = build_optimizer(cfg.optim, model.parameters())
-        sync = build_synchronizer(cfg.sync)
+        sync = spec_of(cfg.sync.name).impl(cfg.sync, cfg.compress, int(cfg.seed))
         sync.setup(model, optimizer, world)
         log = StepLog(Path(out_dir) / f"{name}-{r}-rank{world.rank}.jsonl")
         try:
@@ -117,17 +123,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--codec", default="none", choices=("none", "fp16", "bf16", "powersgd"),
+                        help="compress=<codec> against sync.hook=<codec> (torch's)")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
-    cfgs = compose_cfgs(args.overrides, args.world_size, args.bucket_mb)
+    cfgs = compose_cfgs(args.overrides, args.world_size, args.bucket_mb, args.codec)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         result = spawn_world(bench_rank, (cfgs, args.repeats, tmp), args.world_size, Path(tmp) / "logs")[0]
-    result.update(overrides=args.overrides, world_size=args.world_size, bucket_mb=args.bucket_mb, repeats=args.repeats)
+    result.update(overrides=args.overrides, world_size=args.world_size, bucket_mb=args.bucket_mb, repeats=args.repeats,
+                  codec=args.codec)
     ms = {name: 1e3 * statistics.median(times) for name, times in result["step_s"].items()}
     print(
         f"{' '.join(args.overrides) or 'defaults'}, n={args.world_size}, {args.bucket_mb:g} MB buckets"
-        f" ({result['gradient_bytes'] / 2**20:.1f} MB of gradients): allreduce+overlap {ms['allreduce']:.1f} ms,"
+        f" ({result['gradient_bytes'] / 2**20:.1f} MB of gradients{', ' + args.codec if args.codec != 'none' else ''}):"
+        f" allreduce+overlap {ms['allreduce']:.1f} ms,"
         f" ddp {ms['ddp']:.1f} ms per step (medians), ratio {result['ratio']:.3f}"
         f" ({args.repeats} pairs, {time.perf_counter() - started:.0f} s; final models differ by at most"
         f" {result['max_param_diff']:.1e})"
