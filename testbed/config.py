@@ -552,6 +552,9 @@ def _validate_compress(cfg: DictConfig) -> None:
     carriers = "|".join(name for name, spec in SYNCHRONIZERS.items() if spec.compresses)
     spec = SYNCHRONIZERS[cfg.sync.name]
     require(spec.compresses, f"compress={codec} with sync={cfg.sync.name}: {spec.no_codec}; use sync={carriers}, or compress=none")
+    require(not (cfg.checkpoint.every or cfg.resume),
+            f"compress={codec} with checkpoint.every/resume: checkpoints do not hold a codec's state (error-feedback "
+            "residuals, step counts), so a resumed run would differ from an uninterrupted one; drop one of them")
     require(not cfg.compress.pull or SYNCHRONIZERS[cfg.sync.name].servers is not None,
             f"compress.pull=true: only a parameter server pulls; sync={cfg.sync.name} has no pull")
 

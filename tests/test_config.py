@@ -82,7 +82,8 @@ BAD = {
     "uneven shares": (["imbalance=uneven", "imbalance.shares=[1,2,3]", "world_size=2"], "give one positive share per rank"),
     "heterogeneous speed": (["imbalance=heterogeneous", "imbalance.speeds=[1,2]"], "each speed must be in (0, 1]"),
     "bandwidth": (["network=emulated", "network.bandwidth=fast"], "network.bandwidth=fast: 'fast': expected <number><bit|kbit|mbit|gbit>"),
-    "codec on a synchronizer without one": (["compress=topk", "sync=ps"], "compress=topk with sync=ps: this synchronizer does not carry a codec"),
+    "codec on a synchronizer without one": (["compress=topk", "sync=local_sgd"], "compress=topk with sync=local_sgd: it averages parameters"),
+    "powersgd on a parameter server": (["compress=powersgd", "sync=ps"], "compress=powersgd with sync=ps: PowerSGD needs every worker's P"),
     "codec ratio": (["compress=topk", "compress.ratio=0"], "compress.ratio=0.0: must be in (0, 1]"),
 }
 

@@ -103,21 +103,36 @@ class PsClient:
     def push(self, grads: list[torch.Tensor], base_versions: list[int]) -> list[pb.PushReply]:
         return self._each(lambda i: self.push_shard(i, grads[i], base_versions[i]))
 
-    def pull(self, params: list[torch.Tensor], clock: int) -> PullResult:
+    def pull(self, params: list[torch.Tensor], clock: int, full: bool = False,
+             decoders: list[Any] | None = None) -> PullResult:
+        """Pull every shard into ``params``. With ``decoders`` (one codec per shard: compressed
+        pulls) a shard may send the encoded update since what this worker holds, which is decoded
+        and added; ``full`` asks for the whole parameters instead."""
         def receive(i: int) -> tuple[int, float, int]:
             def run() -> tuple[int, float, int]:
                 link_delay()
-                call = self._pull[i](pb.PullRequest(worker=self.worker, shard=i, clock=clock),
+                call = self._pull[i](pb.PullRequest(worker=self.worker, shard=i, clock=clock, full=full),
                                      timeout=self.timeout_s, metadata=self.metadata)
+                meta = dict(call.initial_metadata())
+                into = params[i]
+                if meta.get("encoded"):
+                    if decoders is None:
+                        raise PsError(f"ps shard {i} at {self.addresses[i]}: Pull: an encoded pull, but no codec here")
+                    into = torch.empty(decoders[i].payload_numel(), dtype=decoders[i].payload_dtype)
                 version, received = -1, 0
                 for chunk in call:
-                    if chunk.malformed or chunk.offset + chunk.length > params[i].numel():
+                    if chunk.malformed or chunk.offset + chunk.length > into.numel():
                         raise PsError(f"ps shard {i} at {self.addresses[i]}: Pull: bad chunk {chunk.malformed}")
-                    copy_in(params[i], chunk.offset, chunk.data)
+                    copy_in(into, chunk.offset, chunk.data)
                     version, received = chunk.step, received + chunk.length
-                if received != params[i].numel():
-                    raise PsError(f"ps shard {i} at {self.addresses[i]}: Pull: got {received} of {params[i].numel()} elements")
-                meta = dict(call.initial_metadata())
+                if received != into.numel():
+                    raise PsError(f"ps shard {i} at {self.addresses[i]}: Pull: got {received} of {into.numel()} elements")
+                if into is not params[i]:  # the update, added as the shard added it to its copy
+                    assert decoders is not None
+                    decoders[i].expect(version)
+                    update = torch.empty_like(params[i])
+                    decoders[i].decode(into, update)
+                    params[i].add_(update)
                 return version, float(meta.get("blocked-seconds", 0.0)), int(meta.get("slowest-clock", 0))
 
             return self._call(i, "Pull", run)

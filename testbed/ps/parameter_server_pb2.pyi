@@ -73,14 +73,16 @@ class PushReply(_message.Message):
     def __init__(self, version: _Optional[int] = ..., staleness: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker", "shard", "clock")
+    __slots__ = ("worker", "shard", "clock", "full")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
+    FULL_FIELD_NUMBER: _ClassVar[int]
     worker: int
     shard: int
     clock: int
-    def __init__(self, worker: _Optional[int] = ..., shard: _Optional[int] = ..., clock: _Optional[int] = ...) -> None: ...
+    full: bool
+    def __init__(self, worker: _Optional[int] = ..., shard: _Optional[int] = ..., clock: _Optional[int] = ..., full: _Optional[bool] = ...) -> None: ...
 
 class ClockRequest(_message.Message):
     __slots__ = ("worker", "advance")

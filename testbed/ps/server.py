@@ -91,6 +91,12 @@ class Shard:
         self.optim_cfg, self.chunk_bytes = optim_cfg, chunk_bytes
         self.compress, self.seed = compress, seed
         self.codecs: list[PayloadCodec] | None = None  # one per worker, built with the parameters
+        # compress.pull: the encoded update since what each worker holds (sync: one for all, made
+        # once per version), with the held copy the server keeps in step with the worker's.
+        self.pull_codecs: list[PayloadCodec] | None = None
+        self.held: torch.Tensor | None = None
+        self.holding = [False] * workers  # has had its full pull
+        self.pull_cache: tuple[int, torch.Tensor] | None = None
         self.cond = threading.Condition()
         self.params: torch.nn.Parameter | None = None
         self.version = 0
@@ -174,6 +180,11 @@ class Shard:
             if not all(isinstance(c, PayloadCodec) for c in codecs):
                 raise SystemExit(f"compress={self.compress.name}: a parameter server decodes payloads; this codec has none")
             self.codecs = codecs  # type: ignore[assignment]
+            if self.compress.get("pull"):
+                slots = 1 if self.mode == "sync" else self.workers
+                self.pull_codecs = [build_codec(self.compress, values, [values.shape], self.shard, -1 - w, self.seed)
+                                    for w in range(slots)]  # type: ignore[misc]
+                self.held = torch.zeros(slots, numel, dtype=dtype)
         if self.mode == "sync":
             threading.Thread(target=self._update_loop, name=f"ps{self.shard}-update", daemon=True).start()
 
@@ -398,17 +409,62 @@ class Shard:
                               f"Pull: worker {worker} at clock {clock} still blocked; clocks {self.clocks}")
             blocked = time.perf_counter() - start
             version = self.version
-            if self.snapshots is not None:  # async/ssp: updates may land while this pull streams
-                source = self.snapshots[worker]
-                source.copy_(params.detach())
-            else:  # sync: nothing changes until this worker pushes again
-                source = params.detach()
             self.stats["pulls"] += 1
-            self.stats["bytes_out"] += params.numel() * params.element_size()
             slowest = min(self.clocks)
-        context.send_initial_metadata((("blocked-seconds", f"{blocked:.9f}"), ("slowest-clock", str(slowest))))
+            if self.pull_codecs is not None and self.holding[worker] and not request.full:
+                payload = self._encoded_pull(worker, version)
+                self.stats["bytes_out"] += payload.numel() * payload.element_size()
+            else:
+                payload = None
+                if self.snapshots is not None:  # async/ssp: updates may land while this pull streams
+                    source = self.snapshots[worker]
+                    source.copy_(params.detach())
+                else:  # sync: nothing changes until this worker pushes again
+                    source = params.detach()
+                self.stats["bytes_out"] += params.numel() * params.element_size()
+                if self.pull_codecs is not None:  # the worker will hold these parameters
+                    self._hold_full(worker)
+        meta = (("blocked-seconds", f"{blocked:.9f}"), ("slowest-clock", str(slowest)))
+        if payload is not None:
+            context.send_initial_metadata((*meta, ("encoded", "1")))
+            yield from encoded_chunks(payload, self.shard, 0, version, self.chunk_bytes, byte_view(payload))
+            return
+        context.send_initial_metadata(meta)
         messages = self.pull_messages(source, version)
         yield from messages if self.snapshots is not None else self._as_updated(iter(messages))
+
+    def _hold_full(self, worker: int) -> None:
+        """(Under the lock, compressed pulls) ``worker`` is sent the whole parameters: what it holds.
+        In sync mode every worker holds the same, updated or not, so the update is waited for."""
+        assert self.held is not None and self.params is not None
+        if self.mode == "sync":
+            self.cond.wait_for(self._updated)
+            self._check_updating()
+        self.held[0 if self.mode == "sync" else worker].copy_(self.params.detach())
+        self.holding[worker] = True
+
+    def _encoded_pull(self, worker: int, version: int) -> torch.Tensor:
+        """(Under the lock) the update since what ``worker`` holds, encoded, with the held copy
+        moved by what the payload carries (error feedback keeps the rest for the next pull). Sync
+        mode waits for the whole update and encodes once per version for every worker."""
+        assert self.held is not None and self.params is not None and self.pull_codecs is not None
+        slot = 0
+        if self.mode == "sync":
+            self.cond.wait_for(self._updated)
+            self._check_updating()
+            if self.pull_cache is not None and self.pull_cache[0] == version:
+                return self.pull_cache[1]
+        else:
+            slot = worker
+        codec, held = self.pull_codecs[slot], self.held[slot]
+        codec.steps = version  # the step its draws are taken at; the worker's decoder takes it from the chunks
+        payload = codec.compress(self.params.detach() - held).clone()  # its buffer is reused by the next encode
+        decoded = torch.empty_like(held)
+        codec.decode(payload, decoded)
+        held.add_(decoded)
+        if self.mode == "sync":
+            self.pull_cache = (version, payload)
+        return payload
 
     def pull_messages(self, source: torch.Tensor, version: int) -> Iterator[Any]:
         """A pull's TensorChunk messages, which add_servicer's ``encode`` turns into bytes: here

@@ -93,7 +93,11 @@ class ParameterServerSync(Synchronizer):
             self.client.init_params(self.param_shards)
         dist.barrier()  # every shard holds the initial parameters before anyone pulls
         self.clock = int(infos[0].version)  # sync: a restored shard is at the step the run resumes from
-        self.versions = self.client.pull(self.param_shards, self.clock).versions
+        # compress.pull: decoders of the shards' encoded updates (a worker's first and last pulls are whole)
+        self.decoders = None
+        if self.codecs is not None and self.compress.get("pull"):
+            self.decoders = [build_codec(self.compress, p, [p.shape], i, world.rank, self.seed) for i, p in enumerate(self.param_shards)]
+        self.versions = self.client.pull(self.param_shards, self.clock, full=True).versions
 
     # --- overlap: push each shard from backward's hooks -------------------------------------
 
@@ -142,7 +146,7 @@ class ParameterServerSync(Synchronizer):
         else:
             replies = self.client.push([self._payload(i) for i in range(len(self.grad_shards))], self.versions)
         self.clock += 1
-        pulled = self.client.pull(self.param_shards, self.clock)
+        pulled = self.client.pull(self.param_shards, self.clock, decoders=self.decoders)
         self.versions = pulled.versions
         report = SyncReport(
             bytes_sent=self.bytes_per_step,  # payload bytes; gRPC and protobuf framing add ~0.01 %
@@ -153,6 +157,8 @@ class ParameterServerSync(Synchronizer):
         )
         if self.codecs is not None:  # the shards decode; their time is the server's
             report.bytes_sent = sum(c.payload_bytes() for c in self.codecs)
+            if self.decoders is not None:
+                report.bytes_recv = sum(c.payload_bytes() for c in self.decoders)
             report.t_encode = sum(self._encoded.values())
             norms = [c.residual_norm() for c in self.codecs]
             if all(norm is not None for norm in norms):
@@ -163,7 +169,7 @@ class ParameterServerSync(Synchronizer):
         # In async and ssp modes workers stop at different versions; once every worker has pushed
         # its last gradient, all pull the servers' final parameters, so model_final.pt is that model.
         dist.barrier()
-        self.versions = self.client.pull(self.param_shards, self.clock).versions
+        self.versions = self.client.pull(self.param_shards, self.clock, full=True).versions
 
     def zero_grad(self) -> None:
         self.flat_grads.zero_()
@@ -224,8 +230,6 @@ def _check(cfg: Any) -> None:
     require(codec != "powersgd", "compress=powersgd with sync=ps: PowerSGD needs every worker's P before anyone "
                                  "computes Q (two all-reduces), which one push cannot carry; use an all-reduce "
                                  "synchronizer, or another codec")
-    require(not cfg.compress.pull, "compress.pull=true: the parameter server's compressed pull is not built yet; "
-                                   "use compress.pull=false (pushes are compressed)")
     require(not (cfg.network.name == "emulated" and ps.addresses),
             "network=emulated starts its own parameter servers inside the network; drop sync.addresses")
     if cfg.checkpoint.every or cfg.resume:
