@@ -162,6 +162,18 @@ class PayloadCodec(Codec):
         return Moved(sent, recv, self.payload_bytes(), encoded - start, time.perf_counter() - decoding)
 
 
+def codec_facts(cfg: Any, codecs: list[Codec], raw_bytes: int) -> dict[str, Any]:
+    """summary.json's ``sync_facts.compress``: the codec, its payload per step and the ratio."""
+    payload = sum(c.payload_bytes() for c in codecs)
+    return {"codec": cfg.name, "linear": codecs[0].linear, "payload_bytes": payload, "ratio": raw_bytes / payload}
+
+
+def residual_norm(codecs: list[Codec]) -> float | None:
+    """The norm of all the codecs' residuals together (None without error feedback)."""
+    norms = [c.residual_norm() for c in codecs]
+    return None if any(n is None for n in norms) else float(sum(n**2 for n in norms) ** 0.5)  # type: ignore[operator]
+
+
 def generator(device: torch.device, *key: int) -> torch.Generator:
     """A generator seeded from ``key`` (e.g. seed, bucket, step): the same draws wherever the key is."""
     value = 0

@@ -19,6 +19,7 @@ from torch import nn
 
 from testbed.collectives.ring import ring_allgather_
 from testbed.compress import Codec, build_codec
+from testbed.compress.codec import codec_facts, residual_norm
 from testbed.sync.base import GradReadiness, Synchronizer, SyncReport
 from testbed.world import World
 
@@ -43,13 +44,12 @@ def bucket_ends(sizes: list[int], cap_bytes: float | None) -> list[int]:
 @dataclass
 class Traffic:
     """One bucket's collective: bytes this rank sent and received, and when it ran (perf_counter);
-    compressed, also its payload bytes and codec time."""
+    compressed, also its codec time."""
 
     sent: int
     recv: int
     start: float
     end: float
-    payload: int = 0
     t_encode: float = 0.0
     t_decode: float = 0.0
 
@@ -159,7 +159,7 @@ class FlatGradSynchronizer(Synchronizer):
         start = time.perf_counter()
         if self.codecs is not None:
             moved = self.codecs[index].reduce_(self.buckets[index].view, self)
-            return Traffic(moved.sent, moved.recv, start, time.perf_counter(), moved.payload, moved.t_encode, moved.t_decode)
+            return Traffic(moved.sent, moved.recv, start, time.perf_counter(), moved.t_encode, moved.t_decode)
         sent, recv = self.allreduce_(self.buckets[index].view, self.scratch[index])
         return Traffic(sent, recv, start, time.perf_counter())
 
@@ -199,9 +199,7 @@ class FlatGradSynchronizer(Synchronizer):
         if self.codecs is not None:
             report.t_encode = sum(r.t_encode for r in results)
             report.t_decode = sum(r.t_decode for r in results)
-            norms = [c.residual_norm() for c in self.codecs]
-            if all(norm is not None for norm in norms):
-                report.residual_norm = float(sum(norm**2 for norm in norms) ** 0.5)
+            report.residual_norm = residual_norm(self.codecs)
         return report
 
     def make_scratch(self, bucket: torch.Tensor) -> torch.Tensor | None:
@@ -225,9 +223,7 @@ class FlatGradSynchronizer(Synchronizer):
             "overlap": self.overlap,
         }
         if self.codecs is not None:
-            payload = sum(c.payload_bytes() for c in self.codecs)
-            facts["compress"] = {"codec": self.compress.name, "linear": self.codecs[0].linear,
-                                 "payload_bytes": payload, "ratio": facts["buffer_bytes"] / payload}
+            facts["compress"] = codec_facts(self.compress, self.codecs, facts["buffer_bytes"])
         return facts
 
     def close(self) -> None:

@@ -27,7 +27,7 @@ from torch import nn
 from testbed.checks import require, resolved_device
 from testbed.collectives.common import chunk_bounds
 from testbed.compress import build_codec
-from testbed.compress.codec import PayloadCodec
+from testbed.compress.codec import PayloadCodec, codec_facts, residual_norm
 from testbed.faults import PS_PIDS_ENV
 from testbed.ps.modes import CHUNK_KB, MAX_CHUNK_KB, MODES, STALENESS
 from testbed.sim.costs import Cost, parameter_server
@@ -160,9 +160,7 @@ class ParameterServerSync(Synchronizer):
             if self.decoders is not None:
                 report.bytes_recv = sum(c.payload_bytes() for c in self.decoders)
             report.t_encode = sum(self._encoded.values())
-            norms = [c.residual_norm() for c in self.codecs]
-            if all(norm is not None for norm in norms):
-                report.residual_norm = float(sum(norm**2 for norm in norms) ** 0.5)
+            report.residual_norm = residual_norm(self.codecs)
         return report
 
     def finalize(self) -> None:
@@ -186,9 +184,7 @@ class ParameterServerSync(Synchronizer):
             "server_stats": describe_stats(self.client.stats()),
         }
         if self.codecs is not None:
-            payload = sum(c.payload_bytes() for c in self.codecs)
-            facts["compress"] = {"codec": self.compress.name, "linear": self.codecs[0].linear,
-                                 "payload_bytes": payload, "ratio": self.bytes_per_step / payload}
+            facts["compress"] = codec_facts(self.compress, self.codecs, self.bytes_per_step)
         return facts
 
     def close(self) -> None:
