@@ -20,13 +20,10 @@ def ring_allreduce_(
 
     ``scratch`` (at least ceil(numel / n) elements) is reused for received chunks when given.
     """
-    n = dist.get_world_size(group)
-    rank = dist.get_rank(group)
+    n, rank, right, left = _ring(group)
     traffic = Traffic()
     if n == 1:
         return traffic
-    right = dist.get_global_rank(group, (rank + 1) % n) if group is not None else (rank + 1) % n
-    left = dist.get_global_rank(group, (rank - 1) % n) if group is not None else (rank - 1) % n
     bounds = chunk_bounds(buf.numel(), n)
     tmp_all = scratch_for(scratch, buf, bounds[0][1] - bounds[0][0])
     esize = buf.element_size()
@@ -50,17 +47,22 @@ def ring_allreduce_(
 def ring_allgather_(buf: torch.Tensor, group: dist.ProcessGroup | None = None) -> Traffic:
     """Fill ``buf`` (1-D, n equal slots, this rank's own part in slot ``rank``) with every rank's
     part: n - 1 steps around the ring, each passing on the slot received in the step before."""
-    n = dist.get_world_size(group)
-    rank = dist.get_rank(group)
+    n, rank, right, left = _ring(group)
     traffic = Traffic()
     if n == 1:
         return traffic
-    right = dist.get_global_rank(group, (rank + 1) % n) if group is not None else (rank + 1) % n
-    left = dist.get_global_rank(group, (rank - 1) % n) if group is not None else (rank - 1) % n
     slots = buf.view(n, -1)
     for s in range(n - 1):
         _exchange(slots[(rank - s) % n], right, slots[(rank - s - 1) % n], left, group, traffic, buf.element_size())
     return traffic
+
+
+def _ring(group: dist.ProcessGroup | None) -> tuple[int, int, int, int]:
+    """(size, this rank, the global ranks to its right and left) of ``group``'s ring."""
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    if group is None:
+        return n, rank, (rank + 1) % n, (rank - 1) % n
+    return n, rank, dist.get_global_rank(group, (rank + 1) % n), dist.get_global_rank(group, (rank - 1) % n)
 
 
 def _exchange(

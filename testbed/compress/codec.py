@@ -162,6 +162,19 @@ class PayloadCodec(Codec):
         return Moved(sent, recv, self.payload_bytes(), encoded - start, time.perf_counter() - decoding)
 
 
+class BytePayload(PayloadCodec):
+    """A payload packed as bytes into ``self.buffer`` (uint8), which the codec allocates."""
+
+    buffer: torch.Tensor
+
+    def payload_numel(self) -> int:
+        return self.buffer.numel()
+
+    @property
+    def payload_dtype(self) -> torch.dtype:
+        return torch.uint8
+
+
 def codec_facts(cfg: Any, codecs: list[Codec], raw_bytes: int) -> dict[str, Any]:
     """summary.json's ``sync_facts.compress``: the codec, its payload per step and the ratio."""
     payload = sum(c.payload_bytes() for c in codecs)

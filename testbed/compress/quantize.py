@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from testbed.checks import require
-from testbed.compress.codec import CodecSpec, CompressConfig, PayloadCodec, generator
+from testbed.compress.codec import BytePayload, CodecSpec, CompressConfig, generator
 
 SCALE = torch.float32
 BITS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
@@ -37,7 +37,7 @@ class SignConfig(CompressConfig):
     error_feedback: bool = True
 
 
-class Qsgd(PayloadCodec):
+class Qsgd(BytePayload):
     linear = False
 
     def __init__(self, *args: Any) -> None:
@@ -46,13 +46,6 @@ class Qsgd(PayloadCodec):
         self.buffer = torch.empty(4 + self.numel, dtype=torch.uint8, device=self.device)
         self.norm = self.buffer[:4].view(SCALE)
         self.codes = self.buffer[4:].view(torch.int8)
-
-    def payload_numel(self) -> int:
-        return self.buffer.numel()
-
-    @property
-    def payload_dtype(self) -> torch.dtype:
-        return torch.uint8
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         norm = x.norm().to(SCALE)
@@ -76,7 +69,7 @@ class Qsgd(PayloadCodec):
             out.copy_(values)
 
 
-class ScaledSign(PayloadCodec):
+class ScaledSign(BytePayload):
     linear = False
 
     def __init__(self, *args: Any) -> None:
@@ -86,13 +79,6 @@ class ScaledSign(PayloadCodec):
         self.scale = self.buffer[:4].view(SCALE)
         self.bits = torch.zeros(self.nbytes * 8, dtype=torch.uint8, device=self.device)  # padding stays 0
         self.weights = BITS.to(self.device)
-
-    def payload_numel(self) -> int:
-        return self.buffer.numel()
-
-    @property
-    def payload_dtype(self) -> torch.dtype:
-        return torch.uint8
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         self.scale.copy_(x.abs().sum().to(SCALE) / self.numel)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from testbed.checks import require
-from testbed.compress.codec import CodecSpec, CompressConfig, PayloadCodec, generator
+from testbed.compress.codec import BytePayload, CodecSpec, CompressConfig, PayloadCodec, generator
 
 INDEX = torch.int32
 
@@ -42,7 +42,7 @@ def _k(cfg: Any, numel: int) -> int:
     return max(1, min(numel, round(float(cfg.ratio) * numel)))
 
 
-class TopK(PayloadCodec):
+class TopK(BytePayload):
     linear = False
 
     def __init__(self, *args: Any) -> None:
@@ -58,13 +58,6 @@ class TopK(PayloadCodec):
         self.indices = self.buffer[: 4 * self.k].view(INDEX)
         self.values = self.buffer[self.index_bytes : self.index_bytes + self.k * esize].view(self.dtype)
         self.esize = esize
-
-    def payload_numel(self) -> int:
-        return self.buffer.numel()
-
-    @property
-    def payload_dtype(self) -> torch.dtype:
-        return torch.uint8
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         chosen = torch.topk(x.abs(), self.k, sorted=False).indices
