@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from testbed.bench.bound import bound_fraction, fit_link, probe_link, probe_sizes
+from testbed.bench.bound import bound_fraction, calibrate_link, probe_sizes
 from testbed.collectives import halving_doubling_allreduce_, ring_allreduce_, scratch_elems, tree_allreduce_
 from testbed.collectives.tree import SCRATCH_CHUNKS
 from testbed.netem import enter_rank_namespace
@@ -88,7 +88,7 @@ def bench_rank(
     results: list[dict] = []
     second_group = dist.new_group()  # the tree's second tree on its own connections (testbed.collectives.tree)
     try:
-        link = fit_link(probe_link(probe_sizes(sizes), iters or 5, device)) if n > 1 else None
+        link = calibrate_link(probe_sizes(sizes), iters or 5, device) if n > 1 else None
         for nbytes in sizes:
             numel = max(1, nbytes // 4)
             # Small integers keep every sum exact in float32, so correctness is equality, not tolerance.
