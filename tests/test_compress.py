@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from testbed.compress import CODECS, build_codec
-from testbed.compress.codec import PayloadCodec
+from testbed.compress.codec import Alone, PayloadCodec
 from testbed.launch.spawn import spawn_world
 from testbed.sync import build_synchronizer
 from testbed.world import World
@@ -34,18 +34,6 @@ def codec_cfg(name: str, **changes: Any) -> Any:
 
 def make(name: str, rank: int = 0, seed: int = 0, **changes: Any) -> Any:
     return build_codec(codec_cfg(name, **changes), torch.zeros(NUMEL), SHAPES, 0, rank, seed)
-
-
-class Alone:
-    """The collectives of a world of one: sums and gathers are the payload itself."""
-
-    world_size = 1
-
-    def allreduce_payload_(self, payload: torch.Tensor) -> tuple[int, int]:
-        return 0, 0
-
-    def allgather_payload(self, payload: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-        return payload.clone(), 0, 0
 
 
 # --- each codec alone --------------------------------------------------------------------------

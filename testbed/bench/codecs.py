@@ -27,22 +27,10 @@ from omegaconf import OmegaConf
 
 from testbed.bench.table import human, parse_bytes
 from testbed.compress import CODECS, build_codec
-from testbed.compress.codec import Codec, PayloadCodec
+from testbed.compress.codec import Alone, Codec, PayloadCodec
 from testbed.results.format import rows_frame, text_table
 
 WIDTH = 1024
-
-
-class Alone:
-    """A world of one: a codec's collectives leave the payload as it is."""
-
-    world_size = 1
-
-    def allreduce_payload_(self, payload: torch.Tensor) -> tuple[int, int]:
-        return 0, 0
-
-    def allgather_payload(self, payload: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-        return payload, 0, 0
 
 
 def shapes_of(nbytes: int) -> list[torch.Size]:

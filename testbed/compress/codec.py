@@ -52,13 +52,24 @@ class Collectives(Protocol):
         ...
 
 
+class Alone:
+    """The collectives of a world of one: a sum or gather of one payload is that payload."""
+
+    world_size = 1
+
+    def allreduce_payload_(self, payload: torch.Tensor) -> tuple[int, int]:
+        return 0, 0
+
+    def allgather_payload(self, payload: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        return payload, 0, 0
+
+
 @dataclass
 class Moved:
-    """One bucket's compressed synchronization: wire bytes, payload size, codec time (seconds)."""
+    """One bucket's compressed synchronization: wire bytes and codec time (seconds)."""
 
     sent: int = 0
     recv: int = 0
-    payload: int = 0  # bytes this rank encoded (what one message carries)
     t_encode: float = 0.0
     t_decode: float = 0.0
 
@@ -159,7 +170,7 @@ class PayloadCodec(Codec):
             bucket.zero_()
             for part in gathered.view(comm.world_size, -1):
                 self.decode(part, bucket, add=True)
-        return Moved(sent, recv, self.payload_bytes(), encoded - start, time.perf_counter() - decoding)
+        return Moved(sent, recv, encoded - start, time.perf_counter() - decoding)
 
 
 class BytePayload(PayloadCodec):

@@ -97,7 +97,7 @@ class PowerSgd(Codec):
             self.steps += 1
             sent, recv = comm.allreduce_payload_(bucket)
             bucket.div_(n)
-            return Moved(sent, recv, bucket.numel() * bucket.element_size())
+            return Moved(sent, recv)
         start = time.perf_counter()
         if self.residual is not None:
             bucket.add_(self.residual)
@@ -134,7 +134,7 @@ class PowerSgd(Codec):
         if self.residual is not None:
             torch.sub(self.input, bucket, out=self.residual)
         self.steps += 1
-        return Moved(sent + more_sent, recv + more_recv, self.payload_bytes(), encoded - start + between,
+        return Moved(sent + more_sent, recv + more_recv, encoded - start + between,
                      time.perf_counter() - decoding)
 
 
