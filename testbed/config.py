@@ -311,6 +311,9 @@ class SimConfig:
     gradient_mb: float | None = None  # a model the testbed does not build (paper-scale presets)
     cores: int | None = None  # ranks share this many cores (one machine); null: each has its own
     tensors: int = 100  # with gradient_mb: tensors the gradient is split into, for buckets
+    # A codec's encode and decode times (the calibration's, measured on the machine that ran
+    # python -m testbed.bench.codecs) times this: 0 costs the wire alone.
+    codec_time_scale: float = 1.0
 
 
 @dataclass

@@ -49,11 +49,11 @@ def test_buckets_follow_the_synchronizer_rule() -> None:
 
 def test_overlap_hides_communication_behind_backward() -> None:
     # Two equal buckets of 1 s each; backward 1 s produces the first by 0.5 s and the second by 1 s.
-    assert exposed_comm([1.0, 1.0], lambda b: 1.0, 1.0, overlap=False) == 2.0
-    assert exposed_comm([1.0, 1.0], lambda b: 1.0, 1.0, overlap=True) == pytest.approx(1.5)
-    assert exposed_comm([1.0, 1.0], lambda b: 0.1, 1.0, overlap=True) == pytest.approx(0.1)  # only the tail
+    assert exposed_comm([1.0, 1.0], [1.0, 1.0], 1.0, overlap=False) == 2.0
+    assert exposed_comm([1.0, 1.0], [1.0, 1.0], 1.0, overlap=True) == pytest.approx(1.5)
+    assert exposed_comm([1.0, 1.0], [0.1, 0.1], 1.0, overlap=True) == pytest.approx(0.1)  # only the tail
     # Ready when backward has done 10 % and 100 % of its work: the first bucket is hidden entirely.
-    assert exposed_comm([1.0, 1.0], lambda b: 0.5, 1.0, overlap=True, ready=[0.1, 1.0]) == pytest.approx(0.5)
+    assert exposed_comm([1.0, 1.0], [0.5, 0.5], 1.0, overlap=True, ready=[0.1, 1.0]) == pytest.approx(0.5)
 
 
 def test_gradients_are_ready_as_backward_passes_their_layers() -> None:

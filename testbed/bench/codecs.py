@@ -6,8 +6,8 @@ its config defaults (``--ratio`` for the sparsifiers) and decoded back, the code
 by rep. ``encode`` is what a rank does before sending (error feedback included, as configured);
 ``decode`` one payload back into a bucket (a non-linear codec decodes n of them per bucket).
 PowerSGD's two factorizations are its encode, its product its decode, measured in a world of one.
-The records (``codec, bytes, payload_bytes, ratio, encode_s, decode_s``, medians) are what the
-simulator's codec costs are fitted to.
+The records (``codec, label, bytes, payload_bytes, ratio, encode_s, decode_s``, medians) are what
+the simulator's codec times are fitted to (testbed.sim.codecs).
 
   python -m testbed.bench.codecs --sizes 1M,16M,64M --reps 15 --out codecs.json
 """
@@ -26,7 +26,7 @@ import torch
 from omegaconf import OmegaConf
 
 from testbed.bench.table import human, parse_bytes
-from testbed.compress import CODECS, build_codec
+from testbed.compress import CODECS, build_codec, label
 from testbed.compress.codec import Alone, Codec, PayloadCodec
 from testbed.results.format import rows_frame, text_table
 
@@ -58,7 +58,7 @@ def bench(sizes: list[int], reps: int, ratio: float) -> list[dict[str, Any]]:
     for nbytes in sizes:
         shapes = shapes_of(nbytes)
         grad = torch.randn(sum(s.numel() for s in shapes))
-        codecs = {}
+        codecs, labels = {}, {}
         for name, spec in CODECS.items():
             if spec.impl is None:
                 continue
@@ -66,6 +66,7 @@ def bench(sizes: list[int], reps: int, ratio: float) -> list[dict[str, Any]]:
             if "ratio" in cfg:
                 cfg.ratio = ratio
             codecs[name] = build_codec(cfg, grad, shapes, 0, 0, 0)
+            labels[name] = label(cfg)
         times: dict[str, list[tuple[float, float]]] = {name: [] for name in codecs}
         for rep in range(reps + 1):  # the first round warms up
             for name, codec in codecs.items():
@@ -75,7 +76,7 @@ def bench(sizes: list[int], reps: int, ratio: float) -> list[dict[str, Any]]:
         for name, codec in codecs.items():
             payload = codec.payload_bytes()
             records.append({
-                "codec": name, "linear": codec.linear, "bytes": grad.numel() * 4, "payload_bytes": payload,
+                "codec": name, "label": labels[name], "linear": codec.linear, "bytes": grad.numel() * 4, "payload_bytes": payload,
                 "ratio": grad.numel() * 4 / payload,
                 "encode_s": statistics.median(t[0] for t in times[name]),
                 "decode_s": statistics.median(t[1] for t in times[name]), "reps": reps,

@@ -111,6 +111,14 @@ class Codec(ABC):
     def reduce_(self, bucket: torch.Tensor, comm: Collectives) -> Moved:
         """Replace ``bucket`` by its reduction over the ranks, through ``comm``."""
 
+    def rounds(self) -> list[int]:
+        """Bytes of each collective one compressed step runs for this bucket (the simulator's)."""
+        return [self.payload_bytes()]
+
+    def uncompressed_steps(self) -> int:
+        """Steps at the start that send the bucket as it is (PowerSGD's ``start_step``)."""
+        return 0
+
     def residual_norm(self) -> float | None:
         return float(self.residual.norm()) if self.residual is not None else None
 

@@ -91,6 +91,13 @@ class PowerSgd(Codec):
             return self.numel * esize
         return (self.first.numel() + self.q_memory.numel()) * esize
 
+    def rounds(self) -> list[int]:
+        esize = torch.empty(0, dtype=self.dtype).element_size()
+        return [n * esize for n in (self.first.numel(), self.q_memory.numel()) if n]
+
+    def uncompressed_steps(self) -> int:
+        return int(self.cfg.start_step)
+
     def reduce_(self, bucket: torch.Tensor, comm: Collectives) -> Moved:
         n = comm.world_size
         if not self.compressing():  # vanilla all-reduce (the residual waits at zero)

@@ -161,9 +161,10 @@ def summarize(
 
 
 def _bound(rows: list[list[dict[str, Any]]], bound_s: float | None) -> dict[str, float] | None:
-    """The bound over the median busy communication (``t_comm``) of the steps that communicated;
-    None without a bound or where the synchronizer cannot see its communication (DDP)."""
-    busy = [r["t_comm"] for row in rows for r in row if r.get("t_comm")]
+    """The bound over the median busy communication (``t_comm``) of the steps that communicated,
+    less a codec's encoding and decoding (the bound is of its payloads on the wire); None without a
+    bound or where the synchronizer cannot see its communication (DDP)."""
+    busy = [r["t_comm"] - (r.get("t_encode") or 0.0) - (r.get("t_decode") or 0.0) for row in rows for r in row if r.get("t_comm")]
     if bound_s is None or not busy:
         return None
     measured = statistics.median(busy)

@@ -5,7 +5,10 @@ synchronization time; its cost model (testbed.sim.costs) gives the alpha and bet
 one (link, impl) series is a two-unknown linear fit. Residuals are relative (each row divided by its
 measured time), so 4 KB and 256 MB points weigh alike.
 
-  python -m testbed.sim.calibrate bench.json ps.json --out calibration.json
+Records of ``python -m testbed.bench.codecs`` (those with a ``codec``) are fitted apart, one
+encode and one decode line per codec (testbed.sim.codecs).
+
+  python -m testbed.sim.calibrate bench.json ps.json codecs.json --out calibration.json
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 from testbed.results.step_log import metrics_path, read_step_log
+from testbed.sim.codecs import CodecFit, fit_codec_records
 from testbed.sim.costs import Cost, Link, halving_doubling, parameter_server, ring, two_tree_reduce_broadcast
 
 DEFAULT_LINK = "loopback"  # records written before the bench kept a link key were all loopback
@@ -121,13 +125,18 @@ def fit_records(
     return [_fit_series(link, impl, rows) for (link, impl), rows in sorted(series.items())]
 
 
-def save(fits: list[Fit], path: str | Path, sources: Iterable[str | Path] = ()) -> None:
-    doc = {"fits": [asdict(f) for f in fits], "sources": [str(s) for s in sources]}
+def save(fits: list[Fit], path: str | Path, sources: Iterable[str | Path] = (), codecs: Iterable[CodecFit] = ()) -> None:
+    doc = {"fits": [asdict(f) for f in fits], "codecs": [asdict(c) for c in codecs], "sources": [str(s) for s in sources]}
     Path(path).write_text(json.dumps(doc, indent=1) + "\n")
 
 
 def load(path: str | Path) -> list[Fit]:
     return [Fit(**f) for f in json.loads(Path(path).read_text())["fits"]]
+
+
+def load_codecs(path: str | Path) -> list[CodecFit]:
+    """The codec time fits of a calibration (none in one written before codecs)."""
+    return [CodecFit(**c) for c in json.loads(Path(path).read_text()).get("codecs", [])]
 
 
 def lookup(fits: list[Fit], link: str, impl: str) -> Fit:
@@ -176,6 +185,16 @@ def format_fits(fits: list[Fit]) -> str:
     return "\n".join(lines)
 
 
+def format_codec_fits(fits: list[CodecFit]) -> str:
+    head = f"{'codec':<20} {'sizes':>16} {'encode ms/MB':>13} {'decode ms/MB':>13}"
+    lines = [head, "-" * len(head)]
+    for f in fits:
+        per_mb = [(f.encode_s[-1] / f.bytes[-1], f.decode_s[-1] / f.bytes[-1])]
+        sizes = f"{f.bytes[0] / 2**20:g}-{f.bytes[-1] / 2**20:g} MB"
+        lines.append(f"{f.codec:<20} {sizes:>16} {per_mb[0][0] * 2**20 * 1e3:>13.3f} {per_mb[0][1] * 2**20 * 1e3:>13.3f}")
+    return "\n".join(lines) + "\n(ms/MB at the largest size)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m testbed.sim.calibrate", description=__doc__.splitlines()[0])
     parser.add_argument("bench", nargs="+", help="JSON records of python -m testbed.bench or testbed.bench.ps")
@@ -185,13 +204,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.tree_chunk_kb < 1:
         parser.error("--tree-chunk-kb must be >= 1")
-    fits = fit_records(load_records(args.bench), args.tree_chunk_kb * 1024, args.min_kb * 1024)
-    if not fits:
+    records = load_records(args.bench)
+    codecs = fit_codec_records([r for r in records if "codec" in r])
+    fits = fit_records([r for r in records if "codec" not in r], args.tree_chunk_kb * 1024, args.min_kb * 1024)
+    if not fits and not codecs:
         print("no usable records (all failed, or all-reduce over one rank)", file=sys.stderr)
         return 1
     print(format_fits(fits))
+    if codecs:
+        print(format_codec_fits(codecs))
     if args.out:
-        save(fits, args.out, args.bench)
+        save(fits, args.out, args.bench, codecs)
     return 0
 
 

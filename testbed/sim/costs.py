@@ -152,6 +152,16 @@ def two_tree_reduce_broadcast(n: int, nbytes: float, chunk_bytes: float) -> Cost
     return Cost(2 * steps, 2 * k * steps * size, k * half)
 
 
+def allgather(n: int, nbytes: float) -> Cost:
+    """Ring allgather of ``nbytes`` from every rank: n - 1 steps, each passing one rank's piece on.
+
+    A non-linear codec's payloads travel this way (GRACE's allgather communicator): (n - 1) M
+    bytes through each NIC, growing with n where an all-reduce's 2 (n-1)/n M does not.
+    """
+    _check(n, nbytes)
+    return Cost(n - 1, (n - 1) * nbytes, 0.0)
+
+
 def parameter_server(
     n: int, nbytes: float, servers: int = 1, colocated: bool = False, overlap_push_pull: bool = False
 ) -> Cost:

@@ -6,7 +6,8 @@ The model composes, per rank and step:
   ``sim.cores`` cores slow down in proportion;
 - the imbalance group's delays, drawn exactly as the trainer draws them (testbed.sim.events);
 - communication: the synchronizer's alpha-beta cost (testbed.sim.costs) per bucket, with the
-  link fitted for that synchronizer's implementation; with overlap, buckets start as backward
+  link fitted for that synchronizer's implementation, of the codec's payloads where the run
+  compresses, plus its encode and decode time (testbed.sim.codecs); with overlap, buckets start as backward
   produces their gradients (at an even rate, in bucket order) on one communication thread, and only
   what is left after backward is exposed (the iteration model of cost-model.md, simulated rather
   than bounded);
@@ -33,14 +34,16 @@ from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
 from testbed import config
+from testbed.collectives.common import chunk_bounds
 from testbed.data.datasets import spec_for
 from testbed.imbalance import shard_batches
 from testbed.models import build_model, example_input
 from testbed.netem import parse_rate
 from testbed.paths import config_dir
 from testbed.results.summary import summarize
-from testbed.sim import calibrate
-from testbed.sim.costs import Link
+from testbed.sim import calibrate, codecs
+from testbed.sim.codecs import CodecPlan, Compressed
+from testbed.sim.costs import Cost, Link, allgather
 from testbed.sim.events import compute_times, simulate_ps
 from testbed.sync import run_label, spec_of
 from testbed.sync.flat import bucket_ends
@@ -99,7 +102,19 @@ def gradient_tensors(cfg: Any) -> list[int]:
     if workload is None:
         count = int(cfg.sim.tensors)
         return [float(cfg.sim.gradient_mb) * 2**20 / count] * count
-    return [p.numel() * p.element_size() for p in reversed(list(_meta_model(workload).parameters())) if p.requires_grad]
+    return [p.numel() * p.element_size() for p in _gradients(workload)]
+
+
+def gradient_shapes(cfg: Any) -> list[torch.Size]:
+    """The shapes of ``gradient_tensors`` (flat fp32 tensors for ``sim.gradient_mb``)."""
+    workload = _workload(cfg)
+    if workload is None:
+        return [torch.Size([round(b / 4)]) for b in gradient_tensors(cfg)]
+    return [p.shape for p in _gradients(workload)]
+
+
+def _gradients(workload: str) -> list[torch.nn.Parameter]:
+    return [p for p in reversed(list(_meta_model(workload).parameters())) if p.requires_grad]
 
 
 def gradient_ready(cfg: Any) -> list[float] | None:
@@ -183,7 +198,31 @@ def communication_bound_s(cfg: Any) -> float | None:
     cost = spec.sim.cost(cfg)
     tensors = gradient_tensors(cfg)
     ends = _bucket_ends(cfg, tensors) if spec.sim.schedule == "buckets" else [len(tensors)]
-    return sum(cost(sum(tensors[a:b])).time(link) for a, b in zip([0, *ends], ends))
+    bounds = list(zip([0, *ends], ends))
+    if codecs.codec_config(cfg) is None:
+        return sum(cost(sum(tensors[a:b])).time(link) for a, b in bounds)
+    # A codec's wire, its payloads; its encoding and decoding are the codec's, not the link's.
+    shapes = gradient_shapes(cfg)
+    plan = codecs.plan(OmegaConf.merge(cfg, {"sim": {"codec_time_scale": 0.0}}), [shapes[a:b] for a, b in bounds], None)
+    assert plan is not None
+    return sum(_wire(part, cost, int(cfg.world_size)).time(link) for part in plan.parts)
+
+
+def _wire(part: Compressed, cost: Callable[[float], Cost], n: int) -> Cost:
+    """A compressed bucket's communication: the synchronizer's own all-reduce of each round of a
+    linear codec, a ring allgather of a non-linear one's payload."""
+    if not part.linear:
+        return allgather(n, part.payload)
+    total = Cost(0.0, 0.0, 0.0)
+    for nbytes in part.rounds:
+        one = cost(nbytes)
+        total = Cost(total.messages + one.messages, total.bytes + one.bytes, total.reduced + one.reduced)
+    return total
+
+
+def _bucket_s(part: Compressed, cost: Callable[[float], Cost], link: Link, n: int) -> float:
+    """Seconds of one compressed bucket: encode, its wire, and decode (n payloads when gathered)."""
+    return part.encode_s + _wire(part, cost, n).time(link) + part.decode_s * (1 if part.linear else n)
 
 
 def _bucket_ends(cfg: Any, tensors: list[int]) -> list[int]:
@@ -198,16 +237,15 @@ def _in_checkout(path: str) -> Path:
 
 
 def exposed_comm(
-    buckets: list[float], cost_s: Callable[[float], float], backward_s: float, overlap: bool,
-    ready: list[float] | None = None,
+    buckets: list[float], times: list[float], backward_s: float, overlap: bool, ready: list[float] | None = None,
 ) -> float:
-    """Communication time not hidden behind backward.
+    """Communication time not hidden behind backward, of buckets of ``buckets`` bytes that take
+    ``times`` seconds each.
 
     Without overlap every bucket runs after backward. With it, bucket j is ready once backward has
     done ``ready[j]`` of its work (default: once it has produced bucket j's share of the bytes, an
     even rate), and one thread runs the buckets in order.
     """
-    times = [cost_s(b) for b in buckets]
     if not overlap:
         return sum(times)
     if ready is None:
@@ -256,50 +294,107 @@ def predict(cfg: Any) -> Prediction:
     tensors = gradient_tensors(cfg)
     gradient_bytes = sum(tensors)
     spec = spec_of(sync.name)
-    costing = spec.sim if spec.sim is not None and (n > 1 or spec.communicates_alone) else None
+    coded = codecs.codec_config(cfg) is not None  # a codec changes the gradients even alone
+    costing = spec.sim if spec.sim is not None and (n > 1 or spec.communicates_alone or coded) else None
     facts: dict[str, Any] = {"gradient_bytes": gradient_bytes, "compute": asdict(compute), "slowdown": slowdown}
+    no_codec = np.zeros_like(work) if coded else None
     if costing is None:  # nobody to talk to: every rank keeps its own pace
         wait, comm = np.zeros_like(work), np.zeros_like(work)
         return Prediction(_records(cfg, sizes, per_sample, optimizer_s, accumulate, delays, wait, comm), facts)
     link, facts["link"] = link_for(cfg, costing.series(cfg))
     facts["impl"] = costing.series(cfg)
     cost = costing.cost(cfg)
+    encode, decode = no_codec, no_codec
 
     def cost_s(nbytes: float) -> float:
         return cost(nbytes).time(link)
 
     if costing.schedule == "clocks":
-        wait, comm = _parameter_server(cfg, work, gradient_bytes, link)
+        numel = round(gradient_bytes / 4)
+        plan = _plan(cfg, [[torch.Size([hi - lo])] for lo, hi in chunk_bounds(numel, int(sync.servers))])
+        wait, comm, encode, decode = _parameter_server(cfg, work, gradient_bytes, link, plan)
     elif costing.schedule == "average":  # the whole model, at the steps the ranks meet
+        plan = None
         meet = np.array([costing.meets(cfg, t) for t in range(steps)])
         wait, comm = _barrier(work, meet, np.where(meet, cost_s(gradient_bytes), 0.0))
     else:  # buckets, every step
         ends = _bucket_ends(cfg, tensors)
-        buckets = [sum(tensors[a:b]) for a, b in zip([0, *ends], ends)]
+        bounds = list(zip([0, *ends], ends))
+        buckets = [sum(tensors[a:b]) for a, b in bounds]
         overlap = costing.overlap(cfg)
         backward = per_sample[2] * max(sizes)  # the boundary micro-step's backward
         shares = gradient_ready(cfg) if overlap else None
-        ready = [max(shares[a:b]) for a, b in zip([0, *ends], ends)] if shares else None
+        ready = [max(shares[a:b]) for a, b in bounds] if shares else None
         facts.update(buckets=len(buckets), overlap=overlap, ready_from="flops" if ready else "bytes")
-        wait, comm = _barrier(work, np.full(steps, True), np.full(steps, exposed_comm(buckets, cost_s, backward, overlap, ready)))
-    return Prediction(_records(cfg, sizes, per_sample, optimizer_s, accumulate, delays, wait, comm), facts)
+        exposed = np.full(steps, exposed_comm(buckets, [cost_s(b) for b in buckets], backward, overlap, ready))
+        shapes = gradient_shapes(cfg)
+        plan = _plan(cfg, [shapes[a:b] for a, b in bounds]) if coded else None
+        if plan is not None:
+            coded_steps = np.arange(steps) >= plan.uncompressed_steps
+            times = [_bucket_s(part, cost, link, n) for part in plan.parts]
+            exposed[coded_steps] = exposed_comm(buckets, times, backward, overlap, ready)
+            per_step = np.where(coded_steps, 1.0, 0.0)[:, None] * np.ones(n)
+            encode = per_step * sum(p.encode_s for p in plan.parts)
+            decode = per_step * sum(p.decode_s * (1 if p.linear else n) for p in plan.parts)
+        wait, comm = _barrier(work, np.full(steps, True), exposed)
+    if plan is not None:
+        facts["compress"] = plan.facts
+    return Prediction(_records(cfg, sizes, per_sample, optimizer_s, accumulate, delays, wait, comm, encode, decode), facts)
 
 
-def _parameter_server(cfg: Any, work: np.ndarray, nbytes: float, link: Link) -> tuple[np.ndarray, np.ndarray]:
-    """(wait at the pull gate, transfer) per step and rank from the worker-clock simulation."""
-    k = int(cfg.sync.servers)
-    own = link.alpha + nbytes * link.beta  # a worker's push (or pull) over its own link
-    shard = nbytes / k * link.beta  # what each push (or pull) puts on every server's link
-    trace = simulate_ps(work, push_s=own, pull_s=own, server_in_s=shard, server_out_s=shard,
-                        mode=str(cfg.sync.mode), staleness=int(cfg.sync.staleness), latency_s=link.alpha)
+def _plan(cfg: Any, groups: list[list[torch.Size]]) -> CodecPlan | None:
+    """The run's codec over ``groups``, timed by the calibration's codec fits."""
+    codec = codecs.codec_config(cfg)
+    if cfg.sim.gradient_mb is not None and codec is not None and codec.name == "powersgd":
+        raise config.ConfigError(f"sim.gradient_mb={cfg.sim.gradient_mb}: PowerSGD factors the model's matrices, "
+                                 "which a gradient size does not give; simulate a model the testbed builds (+paper_model=...)")
+    fits = []
+    if cfg.sim.calibration:
+        try:
+            fits = calibrate.load_codecs(_in_checkout(cfg.sim.calibration))
+        except (OSError, ValueError) as exc:
+            raise config.ConfigError(f"sim.calibration={cfg.sim.calibration}: {exc}") from None
+    return codecs.plan(cfg, groups, fits)
+
+
+def _parameter_server(
+    cfg: Any, work: np.ndarray, nbytes: float, link: Link, plan: CodecPlan | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """(wait at the pull gate, transfer, encode, decode) per step and rank from the worker-clock
+    simulation; with a codec, a worker encodes every shard before it pushes, each shard decodes
+    every push, and compressed pulls are encoded by the shard (once per version in sync mode, for
+    each worker otherwise) and decoded by the worker."""
+    k, mode = int(cfg.sync.servers), str(cfg.sync.mode)
+    push, pull = nbytes, nbytes
+    server_in = server_out = nbytes / k * link.beta  # what each push (or pull) puts on every server's link
+    own_extra = 0.0
+    encode = decode = None
+    if plan is not None:
+        widest = max(plan.parts, key=lambda part: part.raw)
+        push = sum(part.payload for part in plan.parts)
+        server_in = widest.payload * link.beta + widest.decode_s
+        encode = np.full_like(work, sum(part.encode_s for part in plan.parts))
+        decode = np.zeros_like(work)
+        if cfg.compress.get("pull"):
+            pull = push
+            decode += sum(part.decode_s for part in plan.parts)
+            server_out = widest.payload * link.beta + (0.0 if mode == "sync" else widest.encode_s)
+            own_extra = decode[0, 0] + (widest.encode_s if mode == "sync" else 0.0)
+        work = work + encode
+    trace = simulate_ps(work, push_s=link.alpha + push * link.beta, pull_s=link.alpha + pull * link.beta + own_extra,
+                        server_in_s=server_in, server_out_s=server_out, mode=mode,
+                        staleness=int(cfg.sync.staleness), latency_s=link.alpha)
     wait = trace.wait_s
-    return wait, trace.step_s - work - wait
+    return wait, trace.step_s - work - wait + (encode if encode is not None else 0.0), encode, decode
 
 
 def _records(
     cfg: Any, sizes: list[int], per_sample: list[float], optimizer_s: float, accumulate: int,
-    delays: np.ndarray, wait: np.ndarray, comm: np.ndarray,
+    delays: np.ndarray, wait: np.ndarray, comm: np.ndarray, encode: np.ndarray | None = None,
+    decode: np.ndarray | None = None,
 ) -> list[list[dict[str, Any]]]:
+    """The trainer's step records; a codec's encode and decode (busy, as a run's) are inside the
+    sync time."""
     data_s, forward_s, backward_s = per_sample
     out = []
     for rank, batch in enumerate(sizes):
@@ -314,6 +409,8 @@ def _records(
                 "t_injected": float(delays[t, rank]), "t_sync": sync_s, "t_wait": float(wait[t, rank]),
                 "t_comm": float(comm[t, rank]), "t_step": sum(phases.values()) + float(delays[t, rank]) + sync_s,
                 "bytes_sent": 0, "bytes_recv": 0, "t_sync_enter": None, "t_sync_exit": None,
+                "t_encode": None if encode is None else float(encode[t, rank]),
+                "t_decode": None if decode is None else float(decode[t, rank]),
             })
         out.append(rows)
     return out
@@ -323,12 +420,6 @@ def simulate(cfg: Any) -> dict[str, Any]:
     """The summary a run of ``cfg`` is predicted to produce (config.ConfigError for a bad config)."""
     # Every rank is simulated and none spawned: no network to build, no GPU per rank to find.
     plain = config.to_plain(cfg)
-    codec = plain.get("compress", {}).get("name", "none")
-    hook = plain["sync"].get("hook", "none")
-    if codec != "none" or hook != "none":
-        what = f"compress={codec}" if codec != "none" else f"sync.hook={hook}"
-        raise config.ConfigError(f"{what}: the simulator does not cost codecs yet; predict without it, or measure "
-                                 "it (python -m testbed)")
     config.validate(OmegaConf.create({**plain, "network": {"name": "loopback"}}), local_world_size=1, simulated=True)
     prediction = predict(cfg)
     summary = summarize(plain, prediction.records, label=run_label(plain))
