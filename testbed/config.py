@@ -342,6 +342,9 @@ class Config:
     # Peak FLOP/s of one device for MFU (language models); null: known CUDA devices, none on CPU.
     peak_tflops: float | None = None
     log_every: int = 0  # progress line on rank 0 every n steps; 0: about ten lines per run
+    # Points of a sweep not to run, each a list of overrides (e.g. [sync=ps, compress=powersgd]): a
+    # job given all of one entry's overrides is skipped, neither checked nor spawned (testbed.sweeps).
+    sweep_exclude: list[list[str]] = field(default_factory=list)
     # torch.distributed's own diagnostics: TORCH_DISTRIBUTED_DEBUG=DETAIL (collective checks and
     # desync reports), C++ logs at INFO, NCCL_DEBUG=INFO and NCCL's desync debug.
     debug: bool = False
@@ -558,8 +561,6 @@ def _validate_compress(cfg: DictConfig) -> None:
     require(not (cfg.checkpoint.every or cfg.resume),
             f"compress={codec} with checkpoint.every/resume: checkpoints do not hold a codec's state (error-feedback "
             "residuals, step counts), so a resumed run would differ from an uninterrupted one; drop one of them")
-    require(not cfg.compress.pull or SYNCHRONIZERS[cfg.sync.name].servers is not None,
-            f"compress.pull=true: only a parameter server pulls; sync={cfg.sync.name} has no pull")
 
 
 def _validate_imbalance(cfg: DictConfig) -> None:

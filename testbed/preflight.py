@@ -9,17 +9,21 @@ overrides from the command line's -cp/-cn) are left to Hydra, where each job is 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import OverrideType
 from hydra.errors import HydraException, MissingConfigException
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from testbed.config import ConfigError, validate
 from testbed.launch.existing import surrounding_world
 from testbed.paths import config_dir
+from testbed.sweeps import excluded
 
 _SKIP_FLAGS = ("-cp", "-cn", "-cd", "--config-path", "--config-name", "--config-dir", "--help", "-h",
                "--hydra-help", "--cfg", "-c", "--info", "-i", "--shell-completion", "-sc")
@@ -61,13 +65,34 @@ def check_command_line(argv: list[str]) -> int:
             points = sweep_points(overrides + _configured_sweep(overrides))
         except HydraException:
             return 0  # a sweep syntax the basic sweeper does not expand; Hydra reports or runs it
+        composed: dict[tuple[str, ...], DictConfig] = {}
         for point in points:
             try:
-                cfg = compose(config_name="config", overrides=point)
+                cfg = _compose(point, composed)
             except (HydraException, OmegaConfBaseException) as exc:
                 raise ConfigError(describe_composition_error(exc)) from None
-            validate(cfg, local_world_size=local)
+            if excluded(point, cfg.sweep_exclude) is None:
+                validate(cfg, local_world_size=local)
     return len(points)
+
+
+def _compose(point: list[str], composed: dict[tuple[str, ...], DictConfig]) -> DictConfig:
+    """The config of one sweep point. Hydra takes a few hundred milliseconds per composition, which
+    a sweep of hundreds of points would pay over and over: points that share their config-group
+    choices are composed once, whole (so its errors are Hydra's own), and the next ones get their
+    plain ``key=value`` overrides set on a copy of it."""
+    overrides = OverridesParser.create().parse_overrides(point)
+    groups = {p.name for p in Path(config_dir()).iterdir() if p.is_dir()}
+    plain = [o for o in overrides if o.type == OverrideType.CHANGE and o.package is None
+             and "/" not in o.key_or_group and o.key_or_group not in groups]
+    base = tuple(o.input_line for o in overrides if o not in plain)
+    if base not in composed:
+        composed[base] = cfg = compose(config_name="config", overrides=point)
+        return cfg
+    cfg = copy.deepcopy(composed[base])
+    for o in plain:
+        OmegaConf.update(cfg, o.key_or_group, o.value(), merge=False)
+    return cfg
 
 
 def describe_composition_error(exc: BaseException) -> str:

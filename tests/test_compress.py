@@ -368,16 +368,18 @@ def test_ps_with_topk_equals_a_hand_computed_step(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_ps_compressed_pull_sends_the_encoded_update(tmp_path: Path, mode: str) -> None:
-    """compress.pull: after a full first pull, a worker gets topk(new - held) and adds it (the
-    shard keeps the same held copy, so later updates start from what the worker really has)."""
+    """compress.pull: after a full first pull, a worker gets topk(new - held) and adds it, step
+    after step; the shard's held copy moves by what each pull carried, so what was left out is
+    sent later from the difference itself, once (no residual on top, which would send it twice)."""
     from conftest import LR, SGD, client
 
     from testbed.ps.launch import LocalServers
 
-    numel = 3000
+    numel, steps = 3000, 2
     cfg = codec_cfg("topk", ratio=0.1, pull=True)
     torch.manual_seed(0)
-    start, grads = torch.randn(numel), [torch.randn(numel), torch.randn(numel)]
+    start = torch.randn(numel)
+    grads = [[torch.randn(numel), torch.randn(numel)] for _ in range(steps)]
     sync_cfg = {"servers": 1, "mode": mode, "staleness": 0, "chunk_kb": 1, "host": "127.0.0.1"}
     with LocalServers(sync_cfg, SGD, 2, tmp_path / "logs", compress=OmegaConf.to_container(cfg), seed=0) as ps:
         workers = [client(ps, w) for w in range(2)]
@@ -385,28 +387,32 @@ def test_ps_compressed_pull_sends_the_encoded_update(tmp_path: Path, mode: str) 
         params = torch.zeros(numel)
         workers[0].pull([params], 0, full=True)
         assert torch.equal(params, start)
-        sent = []
-        for w, c in enumerate(workers):
-            codec = build_codec(cfg, grads[w], [grads[w].shape], 0, w, 0)
-            payload = codec.compress(grads[w].clone())
-            sent.append(torch.zeros(numel))
-            codec.decode(payload, sent[w])
-            c.push_shard(0, payload, 0)
-        workers[0].pull([params], 1, decoders=[build_codec(cfg, params, [params.shape], 0, 0, 0)])
+        codecs = [build_codec(cfg, start, [start.shape], 0, w, 0) for w in range(2)]
+        decoder = build_codec(cfg, params, [params.shape], 0, 0, 0)
+        server = start.clone()
+        for step in range(steps):
+            sent = []
+            for w, c in enumerate(workers):
+                payload = codecs[w].compress(grads[step][w].clone())
+                sent.append(torch.zeros(numel))
+                codecs[w].decode(payload, sent[w])
+                c.push_shard(0, payload, step)
+            if mode == "sync":  # one step with the mean
+                server = server - LR * sent[0].clone().add_(sent[1]).div_(2)
+            else:  # each push applied on arrival, divided by the workers
+                server = (server - LR * (sent[0] / 2)) - LR * (sent[1] / 2)
+            held = params.clone()
+            workers[0].pull([params], step + 1, decoders=[decoder])
+            change = server - held  # what the worker lacks: more than the pull's top 10 % carries
+            kept = torch.zeros(numel)
+            top = torch.topk(change.abs(), 300).indices
+            kept[top] = change[top]
+            assert torch.allclose(params, held + kept, rtol=0, atol=1e-6), step
+            assert int((params != held).sum()) == 300 < int((change != 0).sum())
         stats = workers[0].stats()[0]
         for c in workers:
             c.close()
-    if mode == "sync":  # one step with the mean
-        new = start - LR * sent[0].clone().add_(sent[1]).div_(2)
-    else:  # each push applied on arrival, divided by the workers
-        new = (start - LR * (sent[0] / 2)) - LR * (sent[1] / 2)
-    change = new - start  # nonzero where either push was: more than the pull's top 10 % carries
-    kept = torch.zeros(numel)
-    top = torch.topk(change.abs(), 300).indices
-    kept[top] = change[top]
-    assert torch.allclose(params, start + kept, rtol=0, atol=1e-6)
-    assert int((params != start).sum()) == 300 < int((change != 0).sum())
-    assert stats.bytes_out == numel * 4 + 8 * 300  # the full first pull, then one payload
+    assert stats.bytes_out == numel * 4 + steps * 8 * 300  # the full first pull, then one payload a step
 
 
 @pytest.mark.parametrize("codec", ["topk", "randomk", "signsgd"])

@@ -14,6 +14,7 @@ from testbed.batch import global_batch, per_rank_batch
 from testbed.config import ConfigError, validate
 from testbed.paths import config_dir
 from testbed.preflight import check_command_line
+from testbed.sweeps import excluded
 
 GROUPS = {group: sorted(p.stem for p in (Path(config_dir()) / group).glob("*.yaml")) for group in config.GROUP_SCHEMAS}
 
@@ -150,6 +151,17 @@ def test_every_preset_composes_and_validates_every_point(preset: str, tmp_path: 
 def test_a_command_line_key_replaces_the_presets_sweep_of_it() -> None:
     """``+paper_model=vgg16`` on the command line replaces the preset's ``+paper_model`` sweep."""
     assert check_command_line(["+experiment=horovod", "+paper_model=vgg16", "world_size=1,2"]) == 4 * 2
+
+
+def test_a_sweep_leaves_out_the_points_it_excludes() -> None:
+    """PowerSGD on a parameter server, excluded (as the compression preset does): preflight passes
+    the sweep over it, and refuses the same sweep without the exclusion."""
+    sweep = ["world_size=2", "sync=ps,ring", "compress=powersgd,topk"]
+    assert check_command_line([*sweep, "sweep_exclude=[['sync=ps','compress=powersgd']]"]) == 4
+    with pytest.raises(ConfigError, match="compress=powersgd with sync=ps"):
+        check_command_line(sweep)
+    assert excluded(["sync=ps", "+paper_model=vgg16", "compress=powersgd"], [["sync=ps", "compress=powersgd"]])
+    assert excluded(["sync=ps_sharded", "compress=powersgd"], [["sync=ps", "compress=powersgd"]]) is None
 
 
 def test_long_override_lists_give_short_unique_job_directories() -> None:

@@ -35,7 +35,9 @@ class CompressConfig:
     name: str = "none"
     # Keep what a step did not send and add it to the next step's input (a residual per bucket).
     error_feedback: bool = False
-    # Parameter servers: encode the pull too (bidirectional compression).
+    # Parameter servers: encode the pull too (bidirectional compression). The all-reduce family's
+    # results always travel as payloads, both ways: there it changes nothing, so one sweep can set
+    # it for every synchronizer.
     pull: bool = False
 
 

@@ -21,6 +21,7 @@ from testbed.rank_failure import lost_peer, root_cause
 from testbed.results.summary import failed_summary, summarize, write_summary
 from testbed.results.table import format_table, summary_row
 from testbed.stall import read_stall
+from testbed.sweeps import excluded
 from testbed.sync import SYNCHRONIZERS, run_label
 from testbed.world import DEBUG_ENV
 
@@ -32,6 +33,10 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
     job_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     joined: tuple[int, int, int, int] | None = None
+    skipped = excluded(hydra_cfg.overrides.task, cfg.get("sweep_exclude"))
+    if skipped is not None:
+        log.info("skipped: the sweep excludes %s (sweep_exclude)", ",".join(skipped))
+        return None
     try:
         joined = surrounding_world()
         if joined is not None:

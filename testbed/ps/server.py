@@ -182,7 +182,10 @@ class Shard:
             self.codecs = codecs  # type: ignore[assignment]
             if self.compress.get("pull"):
                 slots = 1 if self.mode == "sync" else self.workers
-                self.pull_codecs = [build_codec(self.compress, values, [values.shape], self.shard, -1 - w, self.seed)
+                # The held copy moves only by what a pull carried, so parameters - held already keeps
+                # what is not sent yet: a residual on top would send it twice (and diverge).
+                plain = OmegaConf.merge(self.compress, {"error_feedback": False})
+                self.pull_codecs = [build_codec(plain, values, [values.shape], self.shard, -1 - w, self.seed)
                                     for w in range(slots)]  # type: ignore[misc]
                 self.held = torch.zeros(slots, numel, dtype=dtype)
         if self.mode == "sync":

@@ -23,11 +23,14 @@ from testbed.paths import config_dir
 from testbed.results.summary import write_summary
 from testbed.results.table import format_table, summary_row
 from testbed.sim.step import simulate
+from testbed.sweeps import excluded
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def main(cfg: DictConfig) -> dict[str, Any] | None:
     hydra_cfg = HydraConfig.get()
+    if excluded(hydra_cfg.overrides.task, cfg.get("sweep_exclude")) is not None:
+        return None
     try:
         summary = simulate(cfg)
     except config.ConfigError as exc:
