@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import cli_env, read_json, read_jsonl, run_cli
 
+from analysis import compression
 from analysis.load import load_local
 from analysis.metrics import aggregate, loss_curves, time_to_target
 
@@ -105,3 +106,32 @@ def test_the_demo_preset_runs_end_to_end_and_draws_its_figure(tmp_path: Path) ->
     assert (sweep / "analysis" / "scaling.png").exists() and (sweep / "analysis" / "scaling.pdf").exists()
     rows = [line for line in (sweep / "analysis" / "report.md").read_text().splitlines() if " | 4 | " in line]
     assert {row.split("|")[1].strip() for row in rows} >= {"none", "allreduce", "ring", "tree", "ps"}
+
+
+def test_codecs_are_compared_with_no_codec_under_each_synchronizer(tmp_path: Path) -> None:
+    """Measured (bars per setting and n, with time to target and final loss) and simulated (speed-up
+    against workers) sweeps over codecs: the figure, and speed-ups that are the summaries' ratios."""
+    measured, simulated = tmp_path / "measured", tmp_path / "simulated"
+    proc = run_cli(["-m", "sync=allreduce", "compress=none,fp16", "world_size=2", "steps=6", "warmup_steps=2",
+                    "launcher.echo_rank0=false", f"hydra.sweep.dir={measured}"], cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_cli(["-m", "sync=ring,ps", "compress=none,topk,qsgd", "world_size=1,8,32", "sim.bandwidth=1gbit",
+                    "sim.compute_ms_per_sample=0.1", "sim.codec_time_scale=0", f"hydra.sweep.dir={simulated}"],
+                   cwd=tmp_path, module="testbed.sim")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for sweep in (measured, simulated):
+        proc = subprocess.run([sys.executable, "-m", "analysis", str(sweep)], capture_output=True, text=True,
+                              env=cli_env(), timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert (sweep / "analysis" / "compression.png").stat().st_size > 1000
+    report = (measured / "analysis" / "report.md").read_text().split("## Compression", 1)[1]
+    assert "final loss" in report and "| fp16 |" in report
+    runs, _ = load_local([simulated])
+    frame = compression.table(runs)
+    assert len(frame) == 2 * 3 * 3 and set(frame["repeats"]) == {1}
+    by = {(s["config"]["sync"]["name"], s["config"]["compress"]["name"], s["world_size"]): s["throughput"]
+          for s in map(read_json, simulated.glob("*/summary.json"))}
+    for row in frame.itertuples():
+        expected = by[(row.sync_option, str(row.codec), row.world_size)] / by[(row.sync_option, "none", row.world_size)]
+        assert row.speedup == pytest.approx(expected)
+    assert frame[(frame["codec"] == "topk") & (frame["world_size"] == 32)]["speedup"].min() > 1

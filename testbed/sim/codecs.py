@@ -14,7 +14,7 @@ one allgathers its payload over a ring and decodes all n payloads.
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -120,13 +120,14 @@ class CodecPlan:
 
 def plan(cfg: Any, groups: list[list[torch.Size]], fits: list[CodecFit] | None) -> CodecPlan | None:
     """The run's codec over ``groups`` (the parameter shapes of each bucket or shard; a shard is
-    one flat tensor), with its time from ``fits`` (the calibration's); None without a codec."""
+    one flat tensor), with its time from ``fits`` (the calibration's; None: payloads only, no
+    time); None without a codec."""
     codec_cfg = codec_config(cfg)
     if codec_cfg is None:
         return None
     name = label(codec_cfg)
-    scale = float(cfg.sim.codec_time_scale)
-    fit = lookup_codec(fits or [], name) if scale else None
+    scale = 0.0 if fits is None else float(cfg.sim.codec_time_scale)
+    fit = lookup_codec(fits, name) if fits is not None and scale else None
     if scale and fit is None:
         where = f"sim.calibration={cfg.sim.calibration} has no codec times" if cfg.sim.calibration else "no sim.calibration"
         raise ConfigError(
@@ -147,5 +148,5 @@ def plan(cfg: Any, groups: list[list[torch.Size]], fits: list[CodecFit] | None) 
         steps = codec.uncompressed_steps()
     raw, payload = sum(p.raw for p in parts), sum(p.payload for p in parts)
     facts = {"codec": name, "linear": parts[0].linear, "payload_bytes": payload, "ratio": raw / payload,
-             "time_scale": scale, "fit": asdict(fit) if fit else None}
+             "time_scale": scale, "timed_as": fit.codec if fit else None}  # the benchmark's codec label
     return CodecPlan(name, parts, steps, facts)

@@ -40,6 +40,10 @@ class Cost:
     def time(self, link: Link) -> float:
         return self.messages * link.alpha + self.bytes * link.beta + self.reduced * link.gamma
 
+    def __add__(self, other: Cost) -> Cost:
+        """Two operations one after the other."""
+        return Cost(self.messages + other.messages, self.bytes + other.bytes, self.reduced + other.reduced)
+
 
 ZERO = Cost(0.0, 0.0, 0.0)
 

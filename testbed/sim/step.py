@@ -6,11 +6,11 @@ The model composes, per rank and step:
   ``sim.cores`` cores slow down in proportion;
 - the imbalance group's delays, drawn exactly as the trainer draws them (testbed.sim.events);
 - communication: the synchronizer's alpha-beta cost (testbed.sim.costs) per bucket, with the
-  link fitted for that synchronizer's implementation, of the codec's payloads where the run
-  compresses, plus its encode and decode time (testbed.sim.codecs); with overlap, buckets start as backward
-  produces their gradients (at an even rate, in bucket order) on one communication thread, and only
-  what is left after backward is exposed (the iteration model of cost-model.md, simulated rather
-  than bounded);
+  link fitted for that synchronizer's implementation (where the run compresses: of the codec's
+  payloads, plus its encode and decode time, testbed.sim.codecs); with overlap, buckets start as
+  backward produces their gradients (at an even rate, in bucket order) on one communication
+  thread, and only what is left after backward is exposed (the iteration model of cost-model.md,
+  simulated rather than bounded);
 - the barrier: synchronous modes wait for the slowest rank every step, local SGD every ``period``
   steps, and the parameter server's SSP and async modes run the worker-clock simulation.
 
@@ -43,7 +43,7 @@ from testbed.paths import config_dir
 from testbed.results.summary import summarize
 from testbed.sim import calibrate, codecs
 from testbed.sim.codecs import CodecPlan, Compressed
-from testbed.sim.costs import Cost, Link, allgather
+from testbed.sim.costs import ZERO, Cost, Link, allgather
 from testbed.sim.events import compute_times, simulate_ps
 from testbed.sync import run_label, spec_of
 from testbed.sync.flat import bucket_ends
@@ -203,7 +203,7 @@ def communication_bound_s(cfg: Any) -> float | None:
         return sum(cost(sum(tensors[a:b])).time(link) for a, b in bounds)
     # A codec's wire, its payloads; its encoding and decoding are the codec's, not the link's.
     shapes = gradient_shapes(cfg)
-    plan = codecs.plan(OmegaConf.merge(cfg, {"sim": {"codec_time_scale": 0.0}}), [shapes[a:b] for a, b in bounds], None)
+    plan = codecs.plan(cfg, [shapes[a:b] for a, b in bounds], None)
     assert plan is not None
     return sum(_wire(part, cost, int(cfg.world_size)).time(link) for part in plan.parts)
 
@@ -213,11 +213,7 @@ def _wire(part: Compressed, cost: Callable[[float], Cost], n: int) -> Cost:
     linear codec, a ring allgather of a non-linear one's payload."""
     if not part.linear:
         return allgather(n, part.payload)
-    total = Cost(0.0, 0.0, 0.0)
-    for nbytes in part.rounds:
-        one = cost(nbytes)
-        total = Cost(total.messages + one.messages, total.bytes + one.bytes, total.reduced + one.reduced)
-    return total
+    return sum((cost(nbytes) for nbytes in part.rounds), ZERO)
 
 
 def _bucket_s(part: Compressed, cost: Callable[[float], Cost], link: Link, n: int) -> float:
@@ -297,14 +293,13 @@ def predict(cfg: Any) -> Prediction:
     coded = codecs.codec_config(cfg) is not None  # a codec changes the gradients even alone
     costing = spec.sim if spec.sim is not None and (n > 1 or spec.communicates_alone or coded) else None
     facts: dict[str, Any] = {"gradient_bytes": gradient_bytes, "compute": asdict(compute), "slowdown": slowdown}
-    no_codec = np.zeros_like(work) if coded else None
     if costing is None:  # nobody to talk to: every rank keeps its own pace
         wait, comm = np.zeros_like(work), np.zeros_like(work)
         return Prediction(_records(cfg, sizes, per_sample, optimizer_s, accumulate, delays, wait, comm), facts)
     link, facts["link"] = link_for(cfg, costing.series(cfg))
     facts["impl"] = costing.series(cfg)
     cost = costing.cost(cfg)
-    encode, decode = no_codec, no_codec
+    encode = decode = None
 
     def cost_s(nbytes: float) -> float:
         return cost(nbytes).time(link)
