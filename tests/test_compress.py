@@ -45,7 +45,7 @@ def test_payload_bytes_follow_each_codecs_formula() -> None:
         "fp16": 2 * NUMEL, "bf16": 2 * NUMEL,
         "topk": 4 * k + 4 * k,  # int32 indices, fp32 values (a multiple of 4 already)
         "randomk": 4 * k,
-        "qsgd": NUMEL + 4,
+        "qsgd": NUMEL + 4 * math.ceil(NUMEL / 512),  # an int8 per element, a norm per block of 512
         "signsgd": math.ceil(NUMEL / 8) + 4,
         # torch's rule compresses the 24 x 16 matrix ((24 + 16) * 2 < 384) but neither the bias
         # nor the 5 x 24 matrix ((5 + 24) * 2 < 120 holds, so it is compressed too): P and Q at r = 1.
@@ -94,6 +94,24 @@ def test_randomk_draws_the_same_indices_on_every_rank() -> None:
     first = codecs[0].chosen.clone()
     codecs[0].compress(x.clone())
     assert not torch.equal(codecs[0].chosen, first), "each step draws new indices"
+
+
+def test_qsgd_in_blocks_keeps_a_fed_back_error_from_growing() -> None:
+    """A compressed pull's held copy h follows parameters p by h += Q(p - h): the error is fed
+    back. With one norm over 300 k elements QSGD's error is larger than what it encodes, so p - h
+    grows every step (the divergence a parameter server with compress=qsgd compress.pull=true
+    showed); with a norm per block of 512 it stays at the size of one step's update."""
+    numel, steps = 300_000, 12
+    for block, bounded in ((512, True), (0, False)):
+        codec = build_codec(codec_cfg("qsgd", block=block), torch.zeros(numel), [torch.Size([numel])], 0, 0, 0)
+        gen = torch.Generator().manual_seed(0)
+        params, held, decoded = torch.zeros(numel), torch.zeros(numel), torch.empty(numel)
+        for _ in range(steps):
+            params += torch.randn(numel, generator=gen) * 1e-3  # one step's update, norm ~0.55
+            codec.decode(codec.compress(params - held), decoded)
+            held += decoded
+        gap = float((params - held).norm())
+        assert (gap < 0.55) == bounded, (block, gap)
 
 
 def test_qsgd_is_unbiased_and_signsgd_keeps_signs() -> None:
