@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, run_cli
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 from PIL import Image
 
 from testbed import config
@@ -134,9 +135,11 @@ def test_every_preset_composes_and_validates_every_point(preset: str, tmp_path: 
     text = (Path(config_dir()) / "experiment" / f"{preset}.yaml").read_text()
     assert text.startswith("# @package _global_")
     if f"python -m testbed.sim +experiment={preset}" in text:
-        # Simulated: every point of every other axis is predicted at one world size (the sizes
-        # themselves are predicted in test_sim_step).
-        proc = run_cli([f"+experiment={preset}", "world_size=8", "steps=4", "warmup_steps=1", f"hydra.sweep.dir={tmp_path}"],
+        # Simulated: every point of every other axis is predicted at one world size and one link
+        # rate (sizes and rates themselves are predicted in test_sim_step).
+        swept = OmegaConf.load(Path(config_dir()) / "experiment" / f"{preset}.yaml").hydra.sweeper.params
+        rate = [f"network.bandwidth={str(swept['network.bandwidth']).split(',')[0]}"] if "network.bandwidth" in swept else []
+        proc = run_cli([f"+experiment={preset}", "world_size=8", *rate, "steps=4", "warmup_steps=1", f"hydra.sweep.dir={tmp_path}"],
                        cwd=tmp_path, module="testbed.sim")
         assert proc.returncode == 0, proc.stderr[-2000:]
         return

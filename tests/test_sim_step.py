@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,10 @@ from hydra import compose, initialize_config_dir
 from testbed.data.datasets import load_dataset
 from testbed.models import build_model, gradient_bytes
 from testbed.paths import config_dir
+from testbed.results.summary import load_summaries
 from testbed.sim.costs import Link, parameter_server, ring
 from testbed.sim.step import exposed_comm, gradient_ready, gradient_tensors, simulate
+from testbed.sim.validate import validate
 from testbed.sync.flat import bucket_ends
 
 MS = 1e-3
@@ -153,6 +156,12 @@ def test_validation_predicts_measured_runs(tmp_path: Path) -> None:
     # allreduce at n = 1 does not communicate; the other three runs (a PS round trip at n = 1) are scored.
     (all_row,) = [line for line in section.splitlines() if line.startswith("| all |")]
     assert all_row.split("|")[2].strip() == "3"
+    # A calibration without this link predicts nothing, and each row says why.
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text(json.dumps({"fits": [{**fit, "link": "1gbit"} for fit in fits], "sources": []}))
+    rows = [row for row in validate(load_summaries([sweep]), str(elsewhere), None) if row["note"] != "no communication"]
+    assert len(rows) == 3 and all(math.isnan(row["predicted"]) for row in rows)
+    assert all(row["note"].startswith("no calibration for link 'loopback'") for row in rows), rows[0]["note"]
 
 
 def test_the_paper_scale_preset_is_set_against_the_published_points(tmp_path: Path) -> None:

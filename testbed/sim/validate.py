@@ -47,14 +47,15 @@ def _communicates(summary: dict[str, Any]) -> bool:
     return spec is not None and spec.sim is not None and (summary["world_size"] > 1 or spec.communicates_alone)
 
 
-def _predict(summary: dict[str, Any], calibration: str, compute_from: str, cores: int | None) -> float:
+def _predict(summary: dict[str, Any], calibration: str, compute_from: str, cores: int | None) -> tuple[float, str]:
+    """The predicted step time, or NaN and why the simulator cannot predict this run."""
     plain = dict(summary["config"])  # runs older than the `sim` node get its defaults
     plain["sim"] = {**asdict(config.SimConfig()), "calibration": calibration, "cores": cores, "compute_from": compute_from}
     plain.setdefault("compress", {"name": "none"})  # runs from before codecs
     try:
-        return simulate(OmegaConf.create(plain))["step_time"]
-    except config.ConfigError:
-        return math.nan
+        return simulate(OmegaConf.create(plain))["step_time"], ""
+    except config.ConfigError as exc:  # e.g. a link the calibration has no fit for
+        return math.nan, str(exc).split(";")[0].split(": ", 1)[-1]
 
 
 def validate(summaries: list[dict[str, Any]], calibration: str, cores: int | None) -> list[dict[str, Any]]:
@@ -66,7 +67,8 @@ def validate(summaries: list[dict[str, Any]], calibration: str, cores: int | Non
     for summary in summaries:
         overrides = summary.get("overrides") or []
         single = _single_worker(summary, singles)
-        communicates = _communicates(summary)
+        predicted, why = _predict(summary, calibration, summary["job_dir"], None)
+        predicted_single = _predict(summary, calibration, single["job_dir"], cores)[0] if single else math.nan
         rows.append({
             "job": summary["job_dir"],
             "option": next((o.split("=", 1)[1] for o in overrides if o.startswith("sync=")), summary["sync"]),
@@ -74,9 +76,9 @@ def validate(summaries: list[dict[str, Any]], calibration: str, cores: int | Non
             "setting": _setting(overrides, True),
             "global_batch": summary["global_batch"],
             "measured": summary["step_time"],
-            "predicted": _predict(summary, calibration, summary["job_dir"], None),
-            "predicted_single": _predict(summary, calibration, single["job_dir"], cores) if single else math.nan,
-            "note": "" if communicates else "no communication",
+            "predicted": predicted,
+            "predicted_single": predicted_single,
+            "note": "no communication" if not _communicates(summary) else why,
         })
     return rows
 
