@@ -255,6 +255,11 @@ class EmulatedNetworkConfig:
     # Added per message by the testbed's own senders (ring, tree, parameter server), not by the
     # backend's collectives: the kernel has no netem (testbed.latency).
     latency_ms: float = 0.0
+    # Two levels: the ranks spread evenly over this many machines (contiguous ranks share one),
+    # each machine's traffic to the others through one link at `bandwidth`; 0: flat, a link each.
+    nodes: int = 0
+    intra_bandwidth: str | None = None  # between the endpoints of one machine; null: unshaped
+    servers: str = "separate"  # parameter-server shards on machines of their own, or `colocated` on the nodes
 
 
 # --- launcher group ---------------------------------------------------------------------------
@@ -603,14 +608,24 @@ def _validate_imbalance(cfg: DictConfig) -> None:
 def _validate_network(cfg: DictConfig) -> None:
     if cfg.network.name != "emulated":
         return
-    from testbed.netem.links import MAX_ENDPOINTS, NetworkUnavailable, check_available, parse_rate
+    from testbed.netem.links import MAX_ENDPOINTS, PLACEMENTS, NetworkUnavailable, check_available, parse_rate
 
     try:
         parse_rate(cfg.network.bandwidth)
     except ValueError as exc:
         raise ConfigError(f"network.bandwidth={cfg.network.bandwidth}: {exc}") from None
     require(cfg.network.latency_ms >= 0, f"network.latency_ms={cfg.network.latency_ms}: must be >= 0")
-    endpoints = int(cfg.world_size) + SYNCHRONIZERS[cfg.sync.name].local_servers(cfg)
+    nodes, n = int(cfg.network.nodes), int(cfg.world_size)
+    require(nodes >= 0 and (nodes == 0 or n % nodes == 0),
+            f"network.nodes={nodes}: the ranks spread evenly over the machines: a divisor of world_size={n} (0: flat)")
+    if cfg.network.intra_bandwidth is not None:
+        try:
+            parse_rate(cfg.network.intra_bandwidth)
+        except ValueError as exc:
+            raise ConfigError(f"network.intra_bandwidth={cfg.network.intra_bandwidth}: {exc}") from None
+    require(cfg.network.servers in PLACEMENTS,
+            f"network.servers={cfg.network.servers}: one of {'|'.join(PLACEMENTS)} (shards on machines of their own, or on the nodes)")
+    endpoints = n + SYNCHRONIZERS[cfg.sync.name].local_servers(cfg)
     require(
         endpoints <= MAX_ENDPOINTS,
         f"network=emulated: {endpoints} ranks and servers exceed the {MAX_ENDPOINTS} addresses of its /24; use fewer",

@@ -63,6 +63,10 @@ BAD = {
         "data.batch_size=10 does not divide by world_size=4",
     ),
     "nccl without GPUs": (["backend=nccl", "world_size=2"], "backend=nccl needs one CUDA GPU per local rank"),
+    "ranks over machines unevenly": (["network=emulated", "world_size=4", "network.nodes=3"],
+                                     "network.nodes=3: the ranks spread evenly over the machines: a divisor of world_size=4"),
+    "bad intra-machine rate": (["network=emulated", "network.nodes=1", "network.intra_bandwidth=fast"], "network.intra_bandwidth=fast"),
+    "bad server placement": (["network=emulated", "network.servers=rack"], "network.servers=rack: one of separate|colocated"),
     "model/data mismatch": (["model=transformer"], "model=transformer cannot read data=synthetic; allowed: data=lm|tokens"),
     "one bad sweep point": (["-m", "sync=ring,tree", "world_size=1,0"], "world_size=0"),
     "bad point of a preset's sweep": (

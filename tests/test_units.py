@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from testbed.data import RankBatches
+from testbed.netem.links import machines_of
 from testbed.results.step_log import StepLog, read_step_log
 from testbed.results.summary import summarize
 from testbed.sync import build_synchronizer
@@ -189,3 +190,9 @@ def test_summary_arithmetic() -> None:
     # Steps a rank did not finish are not counted for anyone.
     summary = summarize(cfg, [records[0], records[1][:3]])
     assert summary["steps"] == 3 and summary["final_loss"] == pytest.approx(1 / 3)
+
+
+def test_machines_hold_contiguous_ranks_and_shards_apart_or_on_the_nodes() -> None:
+    assert machines_of(4, 2, 0, "separate") is None  # flat: a link per endpoint
+    assert machines_of(4, 2, 2, "separate") == {"r0": 0, "r1": 0, "r2": 1, "r3": 1, "s0": 2, "s1": 3}
+    assert machines_of(6, 3, 3, "colocated") == {"r0": 0, "r1": 0, "r2": 1, "r3": 1, "r4": 2, "r5": 2, "s0": 0, "s1": 1, "s2": 2}

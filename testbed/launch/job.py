@@ -16,7 +16,7 @@ from testbed import checkpoint, config
 from testbed.launch.existing import in_submitit_job, surrounding_world
 from testbed.launch.rank import rank_main
 from testbed.launch.spawn import RankFailure, spawn_world
-from testbed.netem import EmulatedNetwork
+from testbed.netem import EmulatedNetwork, machines_of
 from testbed.rank_failure import lost_peer, root_cause
 from testbed.results.summary import failed_summary, summarize, write_summary
 from testbed.results.table import format_table, summary_row
@@ -80,7 +80,9 @@ def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path, identity: dict
             network = None
             if cfg.network.name == "emulated":
                 endpoints = [f"r{r}" for r in range(cfg.world_size)] + [f"s{k}" for k in range(servers)]
-                network = stack.enter_context(EmulatedNetwork(endpoints, cfg.network.bandwidth, cfg.network.latency_ms))
+                machines = machines_of(cfg.world_size, servers, cfg.network.nodes, cfg.network.servers)
+                network = stack.enter_context(EmulatedNetwork(endpoints, cfg.network.bandwidth, cfg.network.latency_ms,
+                                                              machines, cfg.network.intra_bandwidth))
                 env.update(network.rank_env(cfg.world_size))
                 log.info("emulated network: %s links, namespaces %s-*", cfg.network.bandwidth, network.prefix)
             if servers:
@@ -96,7 +98,11 @@ def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path, identity: dict
                 rendezvous_timeout_s=cfg.timeouts.rendezvous_s, echo_rank0=cfg.launcher.echo_rank0,
                 monitor_interval_s=cfg.launcher.monitor_interval_s, env=env, fresh_interpreters=bool(cfg.debug),
             )
-            return results[0]
+            summary = results[0]
+            if network is not None and network.machines is not None:
+                summary["topology"] = network.traffic()
+                write_summary(job_dir, summary)
+            return summary
     except RankFailure as failure:
         return _record_failure(job_dir, plain, failure.message, failure.rank)
     except Exception as exc:  # servers that never came up, a rendezvous timeout, ...: still a result

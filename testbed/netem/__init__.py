@@ -1,10 +1,17 @@
 """Emulated networks: every rank and parameter server in its own Linux network namespace, joined by
-a bridge, each link rate-limited in both directions with ``tc tbf``; latency added per message by
+a bridge (or two levels: machines of endpoints, a link per machine), each link rate-limited in both directions with ``tc tbf``; latency added per message by
 the testbed's own senders (this kernel has no netem; ``testbed.latency``). See ``links`` for the
 topology, ``rank`` for what a process does to live in its namespace.
 """
 
-from testbed.netem.links import EmulatedNetwork, NetworkUnavailable, check_available, parse_rate, remove_leftovers
+from testbed.netem.links import (
+    EmulatedNetwork,
+    NetworkUnavailable,
+    check_available,
+    machines_of,
+    parse_rate,
+    remove_leftovers,
+)
 from testbed.netem.rank import enter_rank_namespace
 
 __all__ = [
@@ -12,6 +19,7 @@ __all__ = [
     "NetworkUnavailable",
     "check_available",
     "enter_rank_namespace",
+    "machines_of",
     "parse_rate",
     "remove_leftovers",
 ]

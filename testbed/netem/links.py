@@ -1,9 +1,14 @@
 """The emulated network of one run: a namespace per endpoint (rank or server), a bridge, shaped links.
 
-Topology: namespace ``<prefix>-sw`` holds bridge ``br0``; each endpoint ``e`` gets namespace
+Flat: namespace ``<prefix>-sw`` holds bridge ``br0``; each endpoint ``e`` gets namespace
 ``<prefix>-<e>`` with interface ``eth0`` (address ``10.78.0.x/24``) whose veth peer is a port of the
 bridge. ``tc tbf`` shapes both directions of every link: egress of ``eth0`` (the endpoint's
 upload) and egress of the bridge port (its download). Nothing touches the root namespace.
+
+Two-level (``machines``: endpoint -> machine): each machine is namespace ``<prefix>-m<k>`` with a
+bridge of its own, to which its endpoints' ``eth0`` peers attach (unshaped, or at
+``intra_bandwidth``), and one ``uplink`` to the switch (port ``m<k>``) shaped at ``bandwidth``
+both ways: the machine's NIC, which all its endpoints' traffic to other machines shares.
 
 Names are ``tb<launcher pid>n<sequence>-<endpoint>``, so leftovers of a launcher that died (SIGKILL
 leaves no chance to clean up) are recognisable: ``remove_leftovers`` deletes those whose launcher
@@ -26,6 +31,7 @@ from testbed.netem.rank import NETNS_ENV
 
 SUBNET = "10.78.0"
 INTERFACE = "eth0"
+UPLINK = "uplink"  # a machine's interface to the switch
 MAX_ENDPOINTS = 250
 # Each shaped port queues up to this much of its line rate (tbf's latency). At 5 ms (62 KB at
 # 100 Mbit) the pushes of two workers converging on one server overflowed it, and the lost packets
@@ -35,6 +41,21 @@ _NAME = re.compile(r"^tb(\d+)n\d+-")
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$")
 _UNIT = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 _sequence = itertools.count()
+
+
+PLACEMENTS = ("separate", "colocated")
+
+
+def machines_of(world_size: int, servers: int, nodes: int, placement: str) -> dict[str, int] | None:
+    """Which machine each endpoint is on: ranks in contiguous blocks over ``nodes`` machines, shards
+    (``s<k>``) on machines of their own after them (``separate``) or on node k mod nodes
+    (``colocated``); None for a flat network (``nodes`` = 0)."""
+    if nodes == 0:
+        return None
+    per_node = world_size // nodes
+    machines = {f"r{r}": r // per_node for r in range(world_size)}
+    machines.update({f"s{k}": nodes + k if placement == "separate" else k % nodes for k in range(servers)})
+    return machines
 
 
 class NetworkUnavailable(RuntimeError):
@@ -108,11 +129,13 @@ class Endpoint:
 class EmulatedNetwork:
     """Context manager: builds the namespaces and links on enter, removes them all on exit."""
 
-    def __init__(self, endpoints: list[str], bandwidth: str, latency_ms: float = 0.0) -> None:
+    def __init__(self, endpoints: list[str], bandwidth: str, latency_ms: float = 0.0,
+                 machines: dict[str, int] | None = None, intra_bandwidth: str | None = None) -> None:
         if len(endpoints) > MAX_ENDPOINTS:
             raise ValueError(f"an emulated network holds at most {MAX_ENDPOINTS} ranks and servers")
         self.rate_bps = parse_rate(bandwidth)
         self.bandwidth, self.latency_ms = bandwidth, latency_ms
+        self.machines, self.intra_bandwidth = machines, intra_bandwidth
         self.prefix = f"tb{os.getpid()}n{next(_sequence)}"
         self.switch = f"{self.prefix}-sw"
         # Keys: r0, r1, ... for ranks; s0, s1, ... for parameter-server shards.
@@ -137,22 +160,60 @@ class EmulatedNetwork:
         self._created.append(name)
         _run("ip", "-n", name, "link", "set", "lo", "up")
 
-    def _build(self) -> None:
+    @staticmethod
+    def _shape(rate: str) -> list[str]:
         # tbf needs a bucket of at least one timer tick of traffic; 2 ms of line rate, >= 64 KiB.
-        burst = str(max(64 * 1024, int(self.rate_bps / 8 / 500)))
-        shape = ["root", "tbf", "rate", self.bandwidth, "burst", burst, "latency", QUEUE]
-        self._add_namespace(self.switch)
-        _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
-        _run("ip", "-n", self.switch, "link", "set", "br0", "up")
-        for i, ep in enumerate(self.endpoints.values()):
-            port = f"p{i}"
+        burst = str(max(64 * 1024, int(parse_rate(rate) / 8 / 500)))
+        return ["root", "tbf", "rate", rate, "burst", burst, "latency", QUEUE]
+
+    def _link(self, inner: str, outer: str, name: str, peer: str, rate: str | None, bridged: bool = False) -> None:
+        """A veth pair: ``name`` in namespace ``inner`` (a port of its br0 too where ``bridged``),
+        ``peer`` a port of ``outer``'s br0, shaped at ``rate`` both ways (None: unshaped)."""
+        _run("ip", "link", "add", name, "netns", inner, "type", "veth", "peer", "name", peer, "netns", outer)
+        _run("ip", "-n", outer, "link", "set", peer, "master", "br0", "up")
+        _run("ip", "-n", inner, "link", "set", name, *(["master", "br0"] if bridged else []), "up")
+        if rate is not None:
+            _run("tc", "-n", inner, "qdisc", "add", "dev", name, *self._shape(rate))
+            _run("tc", "-n", outer, "qdisc", "add", "dev", peer, *self._shape(rate))
+
+    def _add_bridge(self, namespace: str) -> None:
+        self._add_namespace(namespace)
+        _run("ip", "-n", namespace, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", namespace, "link", "set", "br0", "up")
+
+    def machine_namespace(self, machine: int) -> str:
+        return f"{self.prefix}-m{machine}"
+
+    def _build(self) -> None:
+        self._add_bridge(self.switch)
+        if self.machines is not None:
+            for machine in sorted(set(self.machines.values())):
+                self._add_bridge(self.machine_namespace(machine))
+                self._link(self.machine_namespace(machine), self.switch, UPLINK, f"m{machine}", self.bandwidth, bridged=True)
+        for i, (key, ep) in enumerate(self.endpoints.items()):
             self._add_namespace(ep.namespace)
-            _run("ip", "link", "add", INTERFACE, "netns", ep.namespace, "type", "veth", "peer", "name", port, "netns", self.switch)
-            _run("ip", "-n", self.switch, "link", "set", port, "master", "br0", "up")
+            if self.machines is None:
+                self._link(ep.namespace, self.switch, INTERFACE, f"p{i}", self.bandwidth)
+            else:
+                self._link(ep.namespace, self.machine_namespace(self.machines[key]), INTERFACE, f"p{i}", self.intra_bandwidth)
             _run("ip", "-n", ep.namespace, "addr", "add", f"{ep.address}/24", "dev", INTERFACE)
-            _run("ip", "-n", ep.namespace, "link", "set", INTERFACE, "up")
-            _run("tc", "-n", ep.namespace, "qdisc", "add", "dev", INTERFACE, *shape)
-            _run("tc", "-n", self.switch, "qdisc", "add", "dev", port, *shape)
+
+    def traffic(self) -> dict[str, Any]:
+        """``summary.json``'s ``topology``: the machine of each endpoint and what each machine's
+        uplink carried over the whole run (initial broadcast and warm-up steps included)."""
+        return {"machines": self.machines, "bandwidth": self.bandwidth, "intra_bandwidth": self.intra_bandwidth,
+                "uplink_bytes": {str(m): b for m, b in self.uplink_bytes().items()}}
+
+    def uplink_bytes(self) -> dict[int, dict[str, int]]:
+        """Bytes each machine's uplink has carried so far, ``sent`` (to other machines) and
+        ``received``, read off the kernel's counters of its ``uplink`` interface."""
+        out = {}
+        for machine in sorted(set((self.machines or {}).values())):
+            proc = subprocess.run(["ip", "-n", self.machine_namespace(machine), "-s", "-j", "link", "show", UPLINK],
+                                  capture_output=True, text=True, check=True)
+            stats = json.loads(proc.stdout)[0]["stats64"]
+            out[machine] = {"sent": int(stats["tx"]["bytes"]), "received": int(stats["rx"]["bytes"])}
+        return out
 
     def remove(self) -> None:
         """Delete every namespace of this network; its veth pairs and bridge go with them."""

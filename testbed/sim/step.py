@@ -188,8 +188,9 @@ def communication_bound_s(cfg: Any) -> float | None:
     buckets: what a run's measured busy time is set against (summary.json's ``sync_bound``). None
     where the link is not known (loopback, a real network), nothing is communicated, or a step's
     communication is not one worker's to bound: a parameter server's push queues behind the other
-    workers' at the server (its bound is in the PS benchmark, testbed.bench.ps)."""
-    if cfg.network.name != "emulated":
+    workers' at the server (its bound is in the PS benchmark, testbed.bench.ps), or the ranks share
+    machines' links (``network.nodes``), which a flat cost does not bound."""
+    if cfg.network.name != "emulated" or cfg.network.get("nodes"):
         return None
     spec = spec_of(cfg.sync.name)
     if spec.sim is None or spec.sim.schedule == "clocks" or int(cfg.world_size) == 1:
@@ -415,6 +416,9 @@ def simulate(cfg: Any) -> dict[str, Any]:
     """The summary a run of ``cfg`` is predicted to produce (config.ConfigError for a bad config)."""
     # Every rank is simulated and none spawned: no network to build, no GPU per rank to find.
     plain = config.to_plain(cfg)
+    if cfg.network.get("nodes"):
+        raise config.ConfigError(f"network.nodes={cfg.network.nodes}: the simulator costs a flat network (a link per "
+                                 "rank and server); predict with network.nodes=0")
     config.validate(OmegaConf.create({**plain, "network": {"name": "loopback"}}), local_world_size=1, simulated=True)
     prediction = predict(cfg)
     summary = summarize(plain, prediction.records, label=run_label(plain))
