@@ -92,6 +92,7 @@ def _speedups(frame: pd.DataFrame, out: Path) -> list[Path]:
                 if not c.empty:
                     ax.plot(c["world_size"], c["speedup"], marker="o", ms=3, color=f"C{i}", label=str(codec))
             ax.axhline(1.0, color="k", lw=0.8)
+            ax.set_yscale("log", base=2)  # slow-downs and speed-ups of 70x alike
             _workers_axis(ax, ns)
             ax.set(title=f"{sync}: {setting or 'default'}", xlabel="workers" if row == len(syncs) - 1 else None,
                    ylabel="speed-up over no codec" if col == 0 else None)

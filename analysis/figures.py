@@ -46,10 +46,18 @@ def _style(labels: list[str]) -> dict[str, dict]:
 
 
 def _workers_axis(ax: plt.Axes, ns: list[int]) -> None:
-    """Workers on a log2 axis when they span a wide range (a simulated sweep), else linear."""
+    """Workers on a log2 axis when they span a wide range (a simulated sweep), else linear; the
+    limits from the workers themselves, so that a panel with no finite value still draws."""
     if max(ns) / min(ns) >= 16:
         ax.set_xscale("log", base=2)
+        ax.set_xlim(min(ns) / 1.25, max(ns) * 1.25)
     ax.set_xticks(ns, [str(n) for n in ns], fontsize=7 if len(ns) > 8 else None)
+
+
+def _no_baseline(ax: plt.Axes, values: pd.Series) -> None:
+    """Say so in a panel whose measure needs a world_size=1 run the sweep does not have."""
+    if values.isna().all():
+        ax.text(0.5, 0.5, "no world_size=1 run to measure against", transform=ax.transAxes, ha="center", va="center")
 
 
 def scaling(table: pd.DataFrame, out: Path) -> list[Path]:
@@ -79,6 +87,7 @@ def scaling(table: pd.DataFrame, out: Path) -> list[Path]:
     for ax in (ax_e, ax_x):
         _workers_axis(ax, ns)
         ax.grid(alpha=0.3)
+    _no_baseline(ax_e, table["efficiency_common"])
     ax_e.legend(fontsize=7)
     return _save(fig, out, "scaling")
 
@@ -102,8 +111,10 @@ def diminishing_returns(table: pd.DataFrame, out: Path) -> list[Path]:
     ax_m.axhline(0.0, color="k", lw=0.8)
     ax_s.set(xlabel="workers", ylabel="speed-up S(n)")
     ax_m.set(xlabel="workers", ylabel="marginal speed-up per added worker", title=f"x: the knee (below {KNEE})")
-    if max(ns) / min(ns) >= 16:
+    if max(ns) / min(ns) >= 16 and table["speedup"].notna().any():
         ax_s.set_yscale("log", base=2)
+    _no_baseline(ax_s, table["speedup"])
+    _no_baseline(ax_m, table["marginal_speedup"])
     for ax in (ax_s, ax_m):
         _workers_axis(ax, ns)
         ax.grid(alpha=0.3)
