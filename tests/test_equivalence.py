@@ -40,6 +40,10 @@ def sweeps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "halving_doubling": ["-m", "sync=halving_doubling", "world_size=2,3,4,5"],
         # 1 KiB chunks: the ~4.5 KB gradient is pipelined through each tree in several chunks.
         "tree": ["-m", "sync=tree", "sync.chunk_kb=1", "sync.double=true,false", "world_size=2,3,4"],
+        # Nodes x ranks: 2 x 2 and 3 x 2 with the ring and halving-doubling across, 2 x 3 natively.
+        "hierarchical": ["-m", "sync=hierarchical", "sync.ranks_per_node=2", "sync.inter=ring,halving_doubling",
+                         "world_size=4,6"],
+        "hierarchical_3": ["sync=hierarchical", "sync.ranks_per_node=3", "sync.inter=native", "world_size=6"],
     }
     dirs = {}
     for name, args in runs.items():
@@ -78,6 +82,21 @@ def test_tree_matches_single_process(sweeps: dict[str, Path]) -> None:
         summary = read_json(job / "summary.json")
         assert summary["status"] == "ok" and summary["replicas_identical"], job.name
         assert relative_error(load_params(job), load_params(sweeps["ref"])) <= TOL, job.name
+
+
+def test_hierarchical_matches_single_process(sweeps: dict[str, Path]) -> None:
+    jobs = [d for d in sweeps["hierarchical"].iterdir() if (d / "summary.json").exists()] + [sweeps["hierarchical_3"]]
+    assert len(jobs) == 5
+    for job in jobs:
+        summary = read_json(job / "summary.json")
+        assert summary["status"] == "ok" and summary["replicas_identical"], job.name
+        assert relative_error(load_params(job), load_params(sweeps["ref"])) <= TOL, job.name
+        # Per rank: the node's ring, 2 (L - 1)/L of the gradient, and across nodes 2 (N - 1)/N of its 1/L.
+        facts, grad = summary["sync_facts"], summary["gradient_bytes"]
+        per_node, nodes = facts["ranks_per_node"], facts["nodes"]
+        assert per_node * nodes == summary["world_size"]
+        expected = 2 * (per_node - 1) / per_node * grad + 2 * (nodes - 1) / nodes * grad / per_node
+        assert summary["bytes_per_step"] == pytest.approx(expected, rel=0.01), job.name
 
 
 def test_traffic_accounting(sweeps: dict[str, Path]) -> None:

@@ -91,11 +91,14 @@ def test_sharded_ps_scales_with_its_server_links(tmp_path: Path) -> None:
     assert records["ps_k1"]["bound_fraction"] > 0.8
 
 
-def test_machines_share_one_uplink_which_carries_the_rings_crossings(tmp_path: Path) -> None:
-    """Two machines of two ranks: the ring's edges 1 -> 2 and 3 -> 0 cross machines, so a step sends
-    and receives 2 (n - 1) / n of the gradient through each machine's uplink (a difference of two
-    runs, so that set-up and warm-up traffic cancel)."""
-    args = ["sync=ring", "world_size=4", "network=emulated", "network.bandwidth=1gbit", "network.nodes=2", "warmup_steps=1"]
+@pytest.mark.parametrize("sync", ["ring", "hierarchical"])
+def test_machines_share_one_uplink_which_carries_the_crossings(tmp_path: Path, sync: str) -> None:
+    """Two machines of two ranks. The flat ring's edges 1 -> 2 and 3 -> 0 cross machines, so a step
+    sends and receives 2 (n - 1)/n of the gradient through each machine's uplink; the hierarchical
+    all-reduce (its nodes the machines, as the ranks see them) sends 2 (N - 1)/N of it from each
+    machine in all, N = 2 machines. A difference of two runs, so set-up and warm-up cancel."""
+    args = [f"sync={sync}", "world_size=4", "network=emulated", "network.bandwidth=1gbit", "network.nodes=2",
+            "warmup_steps=1"]
     summaries = {}
     for steps in (3, 7):
         proc = run_cli([*args, f"steps={steps}", f"hydra.run.dir={tmp_path / str(steps)}"], cwd=tmp_path)
@@ -103,7 +106,9 @@ def test_machines_share_one_uplink_which_carries_the_rings_crossings(tmp_path: P
         summaries[steps] = read_json(tmp_path / str(steps) / "summary.json")
     topology = summaries[7]["topology"]
     assert topology["machines"] == {"r0": 0, "r1": 0, "r2": 1, "r3": 1} and topology["intra_bandwidth"] is None
-    crossing = 2 * 3 / 4 * summaries[7]["gradient_bytes"]
+    if sync == "hierarchical":
+        assert summaries[7]["sync_facts"]["ranks_per_node"] == 2
+    crossing = (2 * 3 / 4 if sync == "ring" else 2 * 1 / 2) * summaries[7]["gradient_bytes"]
     for machine in ("0", "1"):
         for way in ("sent", "received"):
             per_step = (topology["uplink_bytes"][machine][way] - summaries[3]["topology"]["uplink_bytes"][machine][way]) / 4

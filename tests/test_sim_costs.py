@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+from omegaconf import OmegaConf
 
 from testbed.sim import calibrate
 from testbed.sim.costs import (
@@ -373,3 +374,13 @@ def test_calibration_models_the_tree_at_the_chunk_its_record_names():
     assert older == two_tree_reduce_broadcast(4, 16 << 20, 1 << 20)
     assert calibrate.model({**record, "tree_chunk_kb": 256}) == two_tree_reduce_broadcast(4, 16 << 20, 256 << 10)
     assert calibrate.model({**record, "tree_chunk_kb": 256}) != older
+
+
+def test_hierarchical_costs_the_nodes_ring_and_the_shards_all_reduce() -> None:
+    """2 nodes x 4 ranks, 8 MB: the node's ring (2 (L - 1) messages, 2 (L - 1)/L M bytes) and the
+    ring across nodes over a quarter (2 (N - 1) messages, 2 (N - 1)/N M/L bytes)."""
+    from testbed.sync.hierarchical import SPEC
+
+    cfg = OmegaConf.create({"world_size": 8, "sync": {"ranks_per_node": 4, "inter": "ring"}, "network": {"name": "loopback"}})
+    cost = SPEC.sim.cost(cfg)(8e6)
+    assert (cost.messages, cost.bytes) == (2 * 3 + 2 * 1, pytest.approx(2 * 3 / 4 * 8e6 + 2 * 1 / 2 * 2e6))

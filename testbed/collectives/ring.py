@@ -20,27 +20,44 @@ def ring_allreduce_(
 
     ``scratch`` (at least ceil(numel / n) elements) is reused for received chunks when given.
     """
+    traffic = ring_reduce_scatter_(buf, group, scratch)
+    traffic += ring_allgather_chunks_(buf, group)
+    return traffic
+
+
+def ring_reduce_scatter_(
+    buf: torch.Tensor, group: dist.ProcessGroup | None = None, scratch: torch.Tensor | None = None
+) -> Traffic:
+    """The ring's first half: afterwards rank r of ``group`` holds the full sum of chunk
+    ``(r + 1) mod n`` of ``chunk_bounds(numel, n)`` (the other chunks hold partial sums)."""
     n, rank, right, left = _ring(group)
     traffic = Traffic()
     if n == 1:
         return traffic
     bounds = chunk_bounds(buf.numel(), n)
     tmp_all = scratch_for(scratch, buf, bounds[0][1] - bounds[0][0])
-    esize = buf.element_size()
-
-    # Reduce-scatter: at step s rank r passes chunk (r - s) to the right and adds chunk (r - s - 1)
-    # from the left; afterwards rank r holds the full sum of chunk (r + 1) mod n.
+    # At step s rank r passes chunk (r - s) to the right and adds chunk (r - s - 1) from the left.
     for s in range(n - 1):
         send_lo, send_hi = bounds[(rank - s) % n]
         recv_lo, recv_hi = bounds[(rank - s - 1) % n]
         tmp = tmp_all[: recv_hi - recv_lo]
-        _exchange(buf[send_lo:send_hi], right, tmp, left, group, traffic, esize)
+        _exchange(buf[send_lo:send_hi], right, tmp, left, group, traffic, buf.element_size())
         buf[recv_lo:recv_hi].add_(tmp)
-    # All-gather: pass the completed chunks around the ring, receiving straight into place.
+    return traffic
+
+
+def ring_allgather_chunks_(buf: torch.Tensor, group: dist.ProcessGroup | None = None) -> Traffic:
+    """The ring's second half: from rank r holding chunk ``(r + 1) mod n`` complete (as the
+    reduce-scatter leaves it), pass the completed chunks around, received straight into place."""
+    n, rank, right, left = _ring(group)
+    traffic = Traffic()
+    if n == 1:
+        return traffic
+    bounds = chunk_bounds(buf.numel(), n)
     for s in range(n - 1):
         send_lo, send_hi = bounds[(rank + 1 - s) % n]
         recv_lo, recv_hi = bounds[(rank - s) % n]
-        _exchange(buf[send_lo:send_hi], right, buf[recv_lo:recv_hi], left, group, traffic, esize)
+        _exchange(buf[send_lo:send_hi], right, buf[recv_lo:recv_hi], left, group, traffic, buf.element_size())
     return traffic
 
 

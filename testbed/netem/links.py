@@ -229,4 +229,6 @@ class EmulatedNetwork:
             "interface": INTERFACE,
             "latency_ms": self.latency_ms,
         }
+        if self.machines is not None:  # the ranks see their machines as torchrun's would show them
+            plan["machines"] = [self.machines[f"r{r}"] for r in range(world_size)]
         return {NETNS_ENV: json.dumps(plan)}

@@ -49,3 +49,7 @@ def enter_rank_namespace() -> None:
     )
     # Otherwise torch's env:// rendezvous connects to the launcher's store on the root namespace's loopback.
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    machines = plan.get("machines")
+    if machines is not None:  # two levels: this machine's ranks are the local ones
+        mine = [r for r, m in enumerate(machines) if m == machines[rank]]
+        os.environ.update(LOCAL_RANK=str(mine.index(rank)), LOCAL_WORLD_SIZE=str(len(mine)))

@@ -1,0 +1,55 @@
+"""Hierarchical all-reduce (Horovod's): reduce-scatter inside each node, all-reduce of each rank's
+shard across the nodes, all-gather inside the node.
+
+With N nodes of L ranks each, rank l of a node ends the reduce-scatter holding its node's sum of
+chunk (l + 1) mod L; the N ranks that hold the same chunk (one per node, the same local rank) sum
+it across nodes; the all-gather spreads the result. Across nodes each rank moves 2(N - 1)/N of
+M / L, so a node's link carries 2(N - 1)/N · M in all, where a flat ring would send that from
+every one of its L ranks. Ranks are numbered node by node (rank = node · L + local rank), as
+torchrun and the emulated two-level network place them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from testbed.collectives.common import Traffic, chunk_bounds
+from testbed.collectives.halving_doubling import halving_doubling_allreduce_
+from testbed.collectives.ring import ring_allgather_chunks_, ring_allreduce_, ring_reduce_scatter_
+
+Group = dist.ProcessGroup | None
+
+
+def _native(buf: torch.Tensor, group: Group) -> Traffic:
+    dist.all_reduce(buf, group=group)
+    n = dist.get_world_size(group)
+    share = 2 * (n - 1) * buf.numel() * buf.element_size() // n  # the ring's traffic, as the benchmark counts it
+    return Traffic(share, share)
+
+
+INTER: dict[str, Callable[[torch.Tensor, Group], Traffic]] = {
+    "ring": lambda buf, group: ring_allreduce_(buf, group),
+    "halving_doubling": lambda buf, group: halving_doubling_allreduce_(buf, group),
+    "native": _native,
+}
+
+
+def node_groups(world_size: int, per_node: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(the ranks of each node, the ranks of each local rank across nodes)."""
+    nodes = [list(range(k * per_node, (k + 1) * per_node)) for k in range(world_size // per_node)]
+    return nodes, [list(ranks) for ranks in zip(*nodes)]
+
+
+def hierarchical_allreduce_(buf: torch.Tensor, intra: Group, inter: Group, across: str = "ring") -> Traffic:
+    """Sum ``buf`` (1-D) over every rank in place: ``intra`` is this rank's node, ``inter`` the
+    ranks of its local rank on the other nodes, ``across`` the algorithm between nodes."""
+    size, local = dist.get_world_size(intra), dist.get_rank(intra)
+    traffic = ring_reduce_scatter_(buf, intra)
+    lo, hi = chunk_bounds(buf.numel(), size)[(local + 1) % size]
+    if hi > lo and dist.get_world_size(inter) > 1:
+        traffic += INTER[across](buf[lo:hi], inter)
+    traffic += ring_allgather_chunks_(buf, intra)
+    return traffic

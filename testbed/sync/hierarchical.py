@@ -1,0 +1,88 @@
+"""Hierarchical all-reduce: reduce-scatter inside each node, all-reduce across nodes, all-gather
+inside (testbed.collectives.hierarchical), bucketed and overlapped like the flat family.
+
+A node is ``sync.ranks_per_node`` consecutive ranks, by default the ranks of one machine: torchrun's
+and Slurm's ``LOCAL_WORLD_SIZE``, or an emulated two-level network's (``network.nodes``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from testbed.checks import require
+from testbed.collectives.hierarchical import INTER, hierarchical_allreduce_, node_groups
+from testbed.sim.costs import Cost, halving_doubling, ring
+from testbed.sync.flat import FlatGradSynchronizer
+from testbed.sync.spec import BucketedSyncConfig, SimModel, SyncSpec, require_gloo_cpu
+from testbed.world import World
+
+INTER_COSTS = {"ring": ring, "halving_doubling": halving_doubling, "native": ring}
+
+
+@dataclass
+class HierarchicalSyncConfig(BucketedSyncConfig):
+    name: str = "hierarchical"
+    inter: str = "ring"  # the all-reduce across nodes: ring | halving_doubling | native
+    ranks_per_node: int | None = None  # null: the ranks of one machine (LOCAL_WORLD_SIZE)
+
+
+class HierarchicalAllReduce(FlatGradSynchronizer):
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> None:
+        super().setup(model, optimizer, world)
+        per_node = int(self.cfg.ranks_per_node or world.local_world_size)
+        if world.world_size % per_node:
+            raise SystemExit(f"sync=hierarchical: {per_node} ranks per node do not divide world_size={world.world_size}")
+        self.per_node = per_node
+        nodes, across = node_groups(world.world_size, per_node)
+        # Every rank creates every group, in the same order (torch.distributed's rule).
+        self.intra = self._mine([dist.new_group(ranks) for ranks in nodes], nodes)
+        self.inter = self._mine([dist.new_group(ranks) for ranks in across], across)
+
+    def _mine(self, groups: list[Any], members: list[list[int]]) -> Any:
+        return next(g for g, ranks in zip(groups, members) if self.world.rank in ranks)
+
+    def allreduce_(self, flat: torch.Tensor, scratch: torch.Tensor | None) -> tuple[int, int]:
+        traffic = hierarchical_allreduce_(flat, self.intra, self.inter, self.cfg.inter)
+        return traffic.sent, traffic.recv
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "ranks_per_node": self.per_node, "nodes": self.world.world_size // self.per_node,
+                "inter": self.cfg.inter}
+
+
+def ranks_per_node(cfg: Any) -> int:
+    """A node's ranks as the launcher will lay them out (for checks and the simulator)."""
+    if cfg.sync.get("ranks_per_node"):
+        return int(cfg.sync.ranks_per_node)
+    nodes = int(cfg.network.get("nodes") or 0) if cfg.network.name == "emulated" else 0
+    return int(cfg.world_size) // nodes if nodes else int(cfg.world_size)
+
+
+def _cost(cfg: Any) -> Any:
+    """On links that are all alike: the node's ring reduce-scatter and all-gather, and the shard's
+    all-reduce across nodes."""
+    n, per_node = int(cfg.world_size), ranks_per_node(cfg)
+    inter = INTER_COSTS[cfg.sync.inter]
+
+    def cost(s: float) -> Cost:
+        total = ring(per_node, s) if per_node > 1 else Cost(0, 0, 0)
+        return total + inter(n // per_node, s / per_node) if n > per_node else total
+
+    return cost
+
+
+def _check(cfg: Any) -> None:
+    require(cfg.sync.inter in INTER, f"sync.inter={cfg.sync.inter}: one of {'|'.join(INTER)}")
+    per_node = cfg.sync.ranks_per_node
+    require(per_node is None or (per_node >= 1 and cfg.world_size % per_node == 0),
+            f"sync.ranks_per_node={per_node}: a divisor of world_size={cfg.world_size} (null: one machine's ranks)")
+    require_gloo_cpu(cfg, "sync=hierarchical")
+
+
+SPEC = SyncSpec(name="hierarchical", schema=HierarchicalSyncConfig, impl=HierarchicalAllReduce, check=_check,
+                sim=SimModel(series=lambda cfg: "ring", cost=_cost))
