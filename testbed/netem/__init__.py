@@ -1,7 +1,8 @@
 """Emulated networks: every rank and parameter server in its own Linux network namespace, joined by
-a bridge (or two levels: machines of endpoints, a link per machine), each link rate-limited in both directions with ``tc tbf``; latency added per message by
-the testbed's own senders (this kernel has no netem; ``testbed.latency``). See ``links`` for the
-topology, ``rank`` for what a process does to live in its namespace.
+a bridge (or in two levels: machines of endpoints, one link per machine), each link rate-limited
+in both directions with ``tc tbf``; latency added per message by the testbed's own senders (this
+kernel has no netem; ``testbed.latency``). See ``links`` for the topology, ``rank`` for what a
+process does to live in its namespace.
 """
 
 from testbed.netem.links import (
