@@ -144,7 +144,7 @@ def test_powersgd_reconstructs_a_rank_r_matrix_at_rank_r() -> None:
 
 # --- every codec under every all-reduce synchronizer, in one real world ----------------------
 
-SYNCS = ["allreduce", "ring", "tree", "halving_doubling"]
+SYNCS = ["allreduce", "ring", "tree", "halving_doubling", "hierarchical"]
 CODEC_RUNS = {
     "none": {}, "fp16": {}, "bf16": {}, "topk": {"ratio": 0.05}, "randomk": {"ratio": 0.05}, "qsgd": {},
     "signsgd": {}, "powersgd": {"rank": 2}, "topk_all": {"ratio": 1.0}, "randomk_all": {"ratio": 1.0},
@@ -181,7 +181,7 @@ def codec_world(syncs: list[str], runs: dict[str, dict[str, Any]], steps: int) -
             model = Net()
             optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
             cfg = OmegaConf.create({"name": sync_name, "bucket_mb": 0.0005, "overlap": overlap, "chunk_kb": 1,
-                                    "double": True})  # two buckets
+                                    "double": True, "ranks_per_node": 1})  # two buckets; two nodes of one
             sync = build_synchronizer(cfg) if compress is None else \
                 type(build_synchronizer(cfg))(cfg, compress, seed=5)
             sync.setup(model, optimizer, world)

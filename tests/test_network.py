@@ -100,19 +100,21 @@ def test_machines_share_one_uplink_which_carries_the_crossings(tmp_path: Path, s
     args = [f"sync={sync}", "world_size=4", "network=emulated", "network.bandwidth=1gbit", "network.nodes=2",
             "warmup_steps=1"]
     summaries = {}
-    for steps in (3, 7):
+    for steps in (3, 11):
         proc = run_cli([*args, f"steps={steps}", f"hydra.run.dir={tmp_path / str(steps)}"], cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         summaries[steps] = read_json(tmp_path / str(steps) / "summary.json")
-    topology = summaries[7]["topology"]
+    topology = summaries[11]["topology"]
     assert topology["machines"] == {"r0": 0, "r1": 0, "r2": 1, "r3": 1} and topology["intra_bandwidth"] is None
     if sync == "hierarchical":
-        assert summaries[7]["sync_facts"]["ranks_per_node"] == 2
-    crossing = (2 * 3 / 4 if sync == "ring" else 2 * 1 / 2) * summaries[7]["gradient_bytes"]
+        assert summaries[11]["sync_facts"]["ranks_per_node"] == 2
+    crossing = (2 * 3 / 4 if sync == "ring" else 2 * 1 / 2) * summaries[11]["gradient_bytes"]
     for machine in ("0", "1"):
         for way in ("sent", "received"):
-            per_step = (topology["uplink_bytes"][machine][way] - summaries[3]["topology"]["uplink_bytes"][machine][way]) / 4
-            assert crossing <= per_step <= 1.05 * crossing, (machine, way, per_step / crossing)  # + TCP/IP headers
+            per_step = (topology["uplink_bytes"][machine][way] - summaries[3]["topology"]["uplink_bytes"][machine][way]) / 8
+            # + TCP/IP headers (0.3-0.4 %), less or more of the runs' other traffic (ACKs as timing
+            # coalesces them): a few KB either way
+            assert 0.98 * crossing <= per_step <= 1.05 * crossing, (machine, way, per_step / crossing)
 
 
 def test_results_do_not_depend_on_the_network(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ and Slurm's ``LOCAL_WORLD_SIZE``, or an emulated two-level network's (``network.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +35,7 @@ class HierarchicalSyncConfig(BucketedSyncConfig):
 class HierarchicalAllReduce(FlatGradSynchronizer):
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> None:
         super().setup(model, optimizer, world)
-        per_node = int(self.cfg.ranks_per_node or world.local_world_size)
+        per_node = int(self.cfg.get("ranks_per_node") or world.local_world_size)
         if world.world_size % per_node:
             raise SystemExit(f"sync=hierarchical: {per_node} ranks per node do not divide world_size={world.world_size}")
         self.per_node = per_node
@@ -47,26 +48,26 @@ class HierarchicalAllReduce(FlatGradSynchronizer):
         return next(g for g, ranks in zip(groups, members) if self.world.rank in ranks)
 
     def allreduce_(self, flat: torch.Tensor, scratch: torch.Tensor | None) -> tuple[int, int]:
-        traffic = hierarchical_allreduce_(flat, self.intra, self.inter, self.cfg.inter)
+        traffic = hierarchical_allreduce_(flat, self.intra, self.inter, self.cfg.get("inter", "ring"))
         return traffic.sent, traffic.recv
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "ranks_per_node": self.per_node, "nodes": self.world.world_size // self.per_node,
-                "inter": self.cfg.inter}
+                "inter": self.cfg.get("inter", "ring")}
 
 
-def ranks_per_node(cfg: Any) -> int:
-    """A node's ranks as the launcher will lay them out (for checks and the simulator)."""
+def _ranks_per_node(cfg: Any) -> int:
+    """A node's ranks as the launcher will lay them out, for the simulator."""
     if cfg.sync.get("ranks_per_node"):
         return int(cfg.sync.ranks_per_node)
     nodes = int(cfg.network.get("nodes") or 0) if cfg.network.name == "emulated" else 0
     return int(cfg.world_size) // nodes if nodes else int(cfg.world_size)
 
 
-def _cost(cfg: Any) -> Any:
+def _cost(cfg: Any) -> Callable[[float], Cost]:
     """On links that are all alike: the node's ring reduce-scatter and all-gather, and the shard's
     all-reduce across nodes."""
-    n, per_node = int(cfg.world_size), ranks_per_node(cfg)
+    n, per_node = int(cfg.world_size), _ranks_per_node(cfg)
     inter = INTER_COSTS[cfg.sync.inter]
 
     def cost(s: float) -> Cost:
@@ -85,4 +86,4 @@ def _check(cfg: Any) -> None:
 
 
 SPEC = SyncSpec(name="hierarchical", schema=HierarchicalSyncConfig, impl=HierarchicalAllReduce, check=_check,
-                sim=SimModel(series=lambda cfg: "ring", cost=_cost))
+                compresses=True, sim=SimModel(series=lambda cfg: "ring", cost=_cost))
