@@ -44,6 +44,9 @@ def sweeps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "hierarchical": ["-m", "sync=hierarchical", "sync.ranks_per_node=2", "sync.inter=ring,halving_doubling",
                          "world_size=4,6"],
         "hierarchical_3": ["sync=hierarchical", "sync.ranks_per_node=3", "sync.inter=native", "world_size=6"],
+        # BytePS-style: 2 x 2 with two server machines and with the servers on the nodes; 3 x 2 with one.
+        "byteps": ["-m", "sync=byteps", "sync.ranks_per_node=2", "sync.servers=0,2", "world_size=4"],
+        "byteps_3": ["sync=byteps", "sync.ranks_per_node=2", "sync.servers=1", "world_size=6"],
     }
     dirs = {}
     for name, args in runs.items():
@@ -97,6 +100,26 @@ def test_hierarchical_matches_single_process(sweeps: dict[str, Path]) -> None:
         assert per_node * nodes == summary["world_size"]
         expected = 2 * (per_node - 1) / per_node * grad + 2 * (nodes - 1) / nodes * grad / per_node
         assert summary["bytes_per_step"] == pytest.approx(expected, rel=0.01), job.name
+
+
+def test_byteps_matches_single_process(sweeps: dict[str, Path]) -> None:
+    jobs = [d for d in sweeps["byteps"].iterdir() if (d / "summary.json").exists()] + [sweeps["byteps_3"]]
+    assert len(jobs) == 3
+    for job in jobs:
+        summary = read_json(job / "summary.json")
+        assert summary["status"] == "ok" and summary["replicas_identical"], job.name
+        assert relative_error(load_params(job), load_params(sweeps["ref"])) <= TOL, job.name
+        # Per rank: the node's ring, 2 (L - 1)/L of the gradient, and its chunk's push, 1/L of it;
+        # rank 0's shards (one per server machine) received every node's piece of its chunk each step,
+        # and their sizes once.
+        facts, grad = summary["sync_facts"], summary["gradient_bytes"]
+        per_node, nodes, machines = facts["ranks_per_node"], facts["nodes"], facts["server_machines"]
+        assert per_node * nodes == summary["world_size"] and machines == (summary["config"]["sync"]["servers"] or nodes)
+        assert summary["bytes_per_step"] == pytest.approx(2 * (per_node - 1) / per_node * grad + grad / per_node, rel=0.01)
+        stats = facts["server_stats"]
+        steps = summary["steps_configured"]
+        assert len(stats) == machines and all(s["pushes"] == nodes * steps for s in stats)
+        assert sum(s["bytes_in"] for s in stats) == pytest.approx((nodes * steps + 1) * grad / per_node, rel=0.01)
 
 
 def test_traffic_accounting(sweeps: dict[str, Path]) -> None:

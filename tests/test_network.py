@@ -91,13 +91,31 @@ def test_sharded_ps_scales_with_its_server_links(tmp_path: Path) -> None:
     assert records["ps_k1"]["bound_fraction"] > 0.8
 
 
-@pytest.mark.parametrize("sync", ["ring", "hierarchical"])
-def test_machines_share_one_uplink_which_carries_the_crossings(tmp_path: Path, sync: str) -> None:
-    """Two machines of two ranks. The flat ring's edges 1 -> 2 and 3 -> 0 cross machines, so a step
-    sends and receives 2 (n - 1)/n of the gradient through each machine's uplink; the hierarchical
-    all-reduce (its nodes the machines, as the ranks see them) sends 2 (N - 1)/N of it from each
-    machine in all, N = 2 machines. A difference of two runs, so set-up and warm-up cancel."""
-    args = [f"sync={sync}", "world_size=4", "network=emulated", "network.bandwidth=1gbit", "network.nodes=2",
+# (overrides, world size, machines, each machine's uplink bytes per step each way in gradients)
+UPLINK_CASES = {
+    # The flat ring's edges 1 -> 2 and 3 -> 0 cross machines: 2 (n - 1)/n of the gradient each way.
+    "ring-2x2": (["sync=ring"], 4, {"r0": 0, "r1": 0, "r2": 1, "r3": 1}, {0: 3 / 2, 1: 3 / 2}),
+    # Hierarchical (its nodes the machines, as the ranks see them): 2 (N - 1)/N of it per machine.
+    "hierarchical-2x2": (["sync=hierarchical"], 4, {"r0": 0, "r1": 0, "r2": 1, "r3": 1}, {0: 1, 1: 1}),
+    # BytePS-style, servers on two machines of their own: M each way per node, N M / k per server machine.
+    "byteps-k2-2x2": (["sync=byteps", "sync.servers=2"], 4,
+                      {"r0": 0, "r1": 0, "r2": 1, "r3": 1, "s0": 2, "s1": 2, "s2": 3, "s3": 3}, {0: 1, 1: 1, 2: 1, 3: 1}),
+    # ... on the worker nodes: the half a node serves itself stays inside, 2 (N - 1)/N M cross.
+    "byteps-k0-2x2": (["sync=byteps", "sync.servers=0"], 4,
+                      {"r0": 0, "r1": 0, "r2": 1, "r3": 1, "s0": 0, "s1": 0, "s2": 1, "s3": 1}, {0: 1, 1: 1}),
+    # Three ranks a node, one server machine: still M per node, the server's link carries N M.
+    "byteps-k1-2x3": (["sync=byteps", "sync.servers=1"], 6,
+                      {"r0": 0, "r1": 0, "r2": 0, "r3": 1, "r4": 1, "r5": 1, "s0": 2, "s1": 2, "s2": 2}, {0: 1, 1: 1, 2: 2}),
+    "ring-2x3": (["sync=ring"], 6, {"r0": 0, "r1": 0, "r2": 0, "r3": 1, "r4": 1, "r5": 1}, {0: 5 / 3, 1: 5 / 3}),
+}
+
+
+@pytest.mark.parametrize("case", list(UPLINK_CASES))
+def test_machines_share_one_uplink_which_carries_the_crossings(tmp_path: Path, case: str) -> None:
+    """Two machines of ranks (and the servers' machines): each machine's uplink carries, per step,
+    what the algorithm sends across machines. A difference of two runs, so set-up and warm-up cancel."""
+    overrides, world_size, machines, gradients = UPLINK_CASES[case]
+    args = [*overrides, f"world_size={world_size}", "network=emulated", "network.bandwidth=1gbit", "network.nodes=2",
             "warmup_steps=1"]
     summaries = {}
     for steps in (3, 11):
@@ -105,15 +123,17 @@ def test_machines_share_one_uplink_which_carries_the_crossings(tmp_path: Path, s
         assert proc.returncode == 0, proc.stderr[-3000:]
         summaries[steps] = read_json(tmp_path / str(steps) / "summary.json")
     topology = summaries[11]["topology"]
-    assert topology["machines"] == {"r0": 0, "r1": 0, "r2": 1, "r3": 1} and topology["intra_bandwidth"] is None
-    if sync == "hierarchical":
-        assert summaries[11]["sync_facts"]["ranks_per_node"] == 2
-    crossing = (2 * 3 / 4 if sync == "ring" else 2 * 1 / 2) * summaries[11]["gradient_bytes"]
-    for machine in ("0", "1"):
+    assert topology["machines"] == machines and topology["intra_bandwidth"] is None
+    assert sorted(topology["uplink_bytes"]) == sorted(str(m) for m in gradients)
+    if "sync=ring" not in overrides:
+        assert summaries[11]["sync_facts"]["ranks_per_node"] == world_size // 2
+    for machine, share in gradients.items():
+        crossing = share * summaries[11]["gradient_bytes"]
         for way in ("sent", "received"):
-            per_step = (topology["uplink_bytes"][machine][way] - summaries[3]["topology"]["uplink_bytes"][machine][way]) / 8
-            # + TCP/IP headers (0.3-0.4 %), less or more of the runs' other traffic (ACKs as timing
-            # coalesces them): a few KB either way
+            before = summaries[3]["topology"]["uplink_bytes"][str(machine)][way]
+            per_step = (topology["uplink_bytes"][str(machine)][way] - before) / 8
+            # + TCP/IP headers (0.3-0.4 %) and gRPC's framing, less or more of the runs' other
+            # traffic (ACKs as timing coalesces them): a few KB either way
             assert 0.98 * crossing <= per_step <= 1.05 * crossing, (machine, way, per_step / crossing)
 
 

@@ -80,7 +80,8 @@ def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path, identity: dict
             network = None
             if cfg.network.name == "emulated":
                 endpoints = [f"r{r}" for r in range(cfg.world_size)] + [f"s{k}" for k in range(servers)]
-                machines = machines_of(cfg.world_size, servers, cfg.network.nodes, cfg.network.servers)
+                placed = spec.servers.machines(cfg) if spec.servers and spec.servers.machines and cfg.network.nodes else None
+                machines = machines_of(cfg.world_size, servers, cfg.network.nodes, cfg.network.servers, placed)
                 network = stack.enter_context(EmulatedNetwork(endpoints, cfg.network.bandwidth, cfg.network.latency_ms,
                                                               machines, cfg.network.intra_bandwidth))
                 env.update(network.rank_env(cfg.world_size))

@@ -46,15 +46,19 @@ _sequence = itertools.count()
 PLACEMENTS = ("separate", "colocated")
 
 
-def machines_of(world_size: int, servers: int, nodes: int, placement: str) -> dict[str, int] | None:
+def machines_of(world_size: int, servers: int, nodes: int, placement: str,
+                server_machines: list[int] | None = None) -> dict[str, int] | None:
     """Which machine each endpoint is on: ranks in contiguous blocks over ``nodes`` machines, shards
     (``s<k>``) on machines of their own after them (``separate``) or on node k mod nodes
-    (``colocated``); None for a flat network (``nodes`` = 0)."""
+    (``colocated``), or on ``server_machines[k]`` where the synchronizer places them; None for a
+    flat network (``nodes`` = 0)."""
     if nodes == 0:
         return None
     per_node = world_size // nodes
     machines = {f"r{r}": r // per_node for r in range(world_size)}
-    machines.update({f"s{k}": nodes + k if placement == "separate" else k % nodes for k in range(servers)})
+    if server_machines is None:
+        server_machines = [nodes + k if placement == "separate" else k % nodes for k in range(servers)]
+    machines.update({f"s{k}": m for k, m in enumerate(server_machines)})
     return machines
 
 

@@ -45,9 +45,13 @@ class PullResult:
 
 class PsClient:
     def __init__(
-        self, addresses: list[str], token: str, worker: int, timeout_s: float, chunk_bytes: int, tls_ca: str | None = None
+        self, addresses: list[str], token: str, worker: int, timeout_s: float, chunk_bytes: int, tls_ca: str | None = None,
+        shards: list[int] | None = None,
     ) -> None:
+        """``shards``: the shard index each address serves, when this worker reaches only some of
+        the run's shards (testbed.sync.byteps); by default address i serves shard i."""
         self.addresses, self.worker, self.timeout_s, self.chunk_bytes = addresses, worker, timeout_s, chunk_bytes
+        self.ids = list(range(len(addresses))) if shards is None else list(shards)
         keep_freed_memory()
         self.metadata = auth_metadata(token)
         self.channels = [open_channel(a, tls_ca) for a in addresses]
@@ -64,7 +68,7 @@ class PsClient:
             return fn()
         except grpc.RpcError as err:
             raise PsError(
-                f"ps shard {shard} at {self.addresses[shard]}: {what}: {err.code().name}: {err.details()}"
+                f"ps shard {self.ids[shard]} at {self.addresses[shard]}: {what}: {err.code().name}: {err.details()}"
             ) from None
 
     def _each(self, fn: Callable[[int], T]) -> list[T]:
@@ -89,7 +93,7 @@ class PsClient:
     def init_params(self, shards: list[torch.Tensor]) -> list[pb.ShardInfo]:
         def send(i: int) -> pb.ShardInfo:
             # InitParams carries the shard's size in every chunk's step field.
-            stream = encoded_chunks(shards[i], i, self.worker, shards[i].numel(), self.chunk_bytes, self._view(shards[i]))
+            stream = encoded_chunks(shards[i], self.ids[i], self.worker, shards[i].numel(), self.chunk_bytes, self._view(shards[i]))
             return self._call(i, "InitParams", lambda: self._init[i](stream, timeout=self.timeout_s, metadata=self.metadata))
 
         return self._each(send)
@@ -97,7 +101,7 @@ class PsClient:
     def push_shard(self, i: int, grad: torch.Tensor, base_version: int) -> pb.PushReply:
         """Push shard ``i``'s whole gradient (computed on parameters of ``base_version``)."""
         link_delay()  # one emulated latency per request (testbed.latency)
-        stream = encoded_chunks(grad, i, self.worker, base_version, self.chunk_bytes, self._view(grad))
+        stream = encoded_chunks(grad, self.ids[i], self.worker, base_version, self.chunk_bytes, self._view(grad))
         return self._call(i, "Push", lambda: self._push[i](stream, timeout=self.timeout_s, metadata=self.metadata))
 
     def push(self, grads: list[torch.Tensor], base_versions: list[int]) -> list[pb.PushReply]:
@@ -111,22 +115,22 @@ class PsClient:
         def receive(i: int) -> tuple[int, float, int]:
             def run() -> tuple[int, float, int]:
                 link_delay()
-                call = self._pull[i](pb.PullRequest(worker=self.worker, shard=i, clock=clock, full=full),
+                call = self._pull[i](pb.PullRequest(worker=self.worker, shard=self.ids[i], clock=clock, full=full),
                                      timeout=self.timeout_s, metadata=self.metadata)
                 meta = dict(call.initial_metadata())
                 into = params[i]
                 if meta.get("encoded"):
                     if decoders is None:
-                        raise PsError(f"ps shard {i} at {self.addresses[i]}: Pull: an encoded pull, but no codec here")
+                        raise PsError(f"ps shard {self.ids[i]} at {self.addresses[i]}: Pull: an encoded pull, but no codec here")
                     into = torch.empty(decoders[i].payload_numel(), dtype=decoders[i].payload_dtype)
                 version, received = -1, 0
                 for chunk in call:
                     if chunk.malformed or chunk.offset + chunk.length > into.numel():
-                        raise PsError(f"ps shard {i} at {self.addresses[i]}: Pull: bad chunk {chunk.malformed}")
+                        raise PsError(f"ps shard {self.ids[i]} at {self.addresses[i]}: Pull: bad chunk {chunk.malformed}")
                     copy_in(into, chunk.offset, chunk.data)
                     version, received = chunk.step, received + chunk.length
                 if received != into.numel():
-                    raise PsError(f"ps shard {i} at {self.addresses[i]}: Pull: got {received} of {into.numel()} elements")
+                    raise PsError(f"ps shard {self.ids[i]} at {self.addresses[i]}: Pull: got {received} of {into.numel()} elements")
                 if into is not params[i]:  # the update, added as the shard added it to its copy
                     assert decoders is not None
                     decoders[i].expect(version)

@@ -85,6 +85,8 @@ class LocalServers:
                 cmd += ["--checkpoint-dir", str(self.checkpoint[0]), "--checkpoint-every", str(self.checkpoint[1])]
             if self.restore:
                 cmd += ["--restore", str(self.restore / f"ps{shard}.pt")]
+            if self.sync_cfg.get("sums_only"):
+                cmd.append("--sums-only")
             if self.compress:
                 cmd += ["--compress", json.dumps(self.compress), "--seed", str(self.seed)]
             log = open(self.log_dir / f"ps{shard}.log", "w")

@@ -11,6 +11,10 @@ Modes (``--mode``):
 - ``ssp``: applied on arrival as in async, but a worker's pull blocks while its clock (pushes made)
   is more than ``--staleness`` ahead of the slowest worker's.
 
+With ``--sums-only`` (BytePS's summation service, sync mode) the shard runs no optimizer: a step's
+update is the mean of its pushes, which the pulls stream back, and the workers step their own
+optimizers with it.
+
 The staleness of an applied update is the number of versions applied between the version the
 gradient was computed on and its own application. Every message is validated before it touches
 state; a bad one is refused with INVALID_ARGUMENT (or FAILED_PRECONDITION) and the shard goes on
@@ -84,10 +88,14 @@ class Shard:
     """The state of one shard and its update rules; all methods are safe to call from many threads."""
 
     def __init__(self, shard: int, workers: int, mode: str, staleness: int, optim_cfg: Any, chunk_bytes: int,
-                 compress: Any = None, seed: int = 0) -> None:
+                 compress: Any = None, seed: int = 0, sums_only: bool = False) -> None:
         """``compress``: the workers' codec config (testbed.compress), whose payloads the pushes
-        carry; ``seed``: the run's, for the draws a codec shares with its workers."""
+        carry; ``seed``: the run's, for the draws a codec shares with its workers; ``sums_only``:
+        hold the mean gradient for the pulls instead of updating parameters (sync mode)."""
+        if sums_only and mode != "sync":
+            raise ValueError(f"a summation-only shard runs in sync mode, not {mode}")
         self.shard, self.workers, self.mode, self.staleness = shard, workers, mode, staleness
+        self.sums_only = sums_only
         self.optim_cfg, self.chunk_bytes = optim_cfg, chunk_bytes
         self.compress, self.seed = compress, seed
         self.codecs: list[PayloadCodec] | None = None  # one per worker, built with the parameters
@@ -163,16 +171,18 @@ class Shard:
     def _hold(self, values: torch.Tensor) -> None:
         """Preallocate, once: the parameters, an optimizer per block, the mean gradient (n > 1;
         a lone worker's push is its own gradient, read where it was received) and (async/ssp) each
-        worker's pull snapshot; (sync) start the update thread."""
+        worker's pull snapshot; (sync) start the update thread. A summation-only shard's values
+        are the mean gradient itself, and it has no optimizers."""
         numel, dtype = values.numel(), values.dtype
         self.params = torch.nn.Parameter(values)
-        self.grad = torch.zeros_like(values) if self.workers > 1 else None
+        self.grad = self.params.detach() if self.sums_only else torch.zeros_like(values) if self.workers > 1 else None
         self.parts = [(lo, lo + n) for lo, n in chunk_ranges(numel, values.element_size(), self.chunk_bytes)]
         # Views: each partition's updates land in params.
         self.part_params = [torch.nn.Parameter(self.params.detach()[lo:hi]) for lo, hi in self.parts]
         per_block = max(1, UPDATE_BYTES // self.chunk_bytes)
         self.blocks = [range(i, min(i + per_block, len(self.parts))) for i in range(0, len(self.parts), per_block)]
-        self.optimizers = [build_optimizer(self.optim_cfg, [self.part_params[i] for i in block]) for block in self.blocks]
+        self.optimizers = [] if self.sums_only else [
+            build_optimizer(self.optim_cfg, [self.part_params[i] for i in block]) for block in self.blocks]
         self.applied = len(self.parts)
         self.snapshots = torch.zeros(self.workers, numel, dtype=dtype) if self.mode != "sync" else None
         if self.compress is not None and self.compress.name != "none":
@@ -313,8 +323,11 @@ class Shard:
 
     def _step(self, block: int, workers: range | list[int]) -> None:
         for part in self.blocks[block]:
-            self.part_params[part].grad = self._gradient(part, workers)
-        self.optimizers[block].step()
+            grad = self._gradient(part, workers)  # a summation-only shard's lands in its values: done
+            if self.optimizers:
+                self.part_params[part].grad = grad
+        if self.optimizers:
+            self.optimizers[block].step()
 
     def _commit(self, worker: int, base: int, received: list[torch.Tensor]) -> pb.PushReply:
         assert self.params is not None
@@ -659,7 +672,8 @@ def serve(args: argparse.Namespace) -> None:
     token = token_from_env()
     optim_cfg = OmegaConf.create(json.loads(args.optim))
     compress = OmegaConf.create(json.loads(args.compress)) if args.compress else None
-    shard = Shard(args.shard, args.workers, args.mode, args.staleness, optim_cfg, args.chunk_kb * 1024, compress, args.seed)
+    shard = Shard(args.shard, args.workers, args.mode, args.staleness, optim_cfg, args.chunk_kb * 1024, compress, args.seed,
+                  args.sums_only)
     if args.checkpoint_dir:
         shard.checkpoint_dir, shard.checkpoint_every = Path(args.checkpoint_dir), args.checkpoint_every
     if args.restore:
@@ -712,6 +726,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chunk-kb", type=int, default=CHUNK_KB, help="pull chunk size")
     parser.add_argument("--compress", default="", help="the workers' codec config as JSON (testbed.compress); pushes carry its payloads")
     parser.add_argument("--seed", type=int, default=0, help="the run's seed (draws a codec shares with the workers)")
+    parser.add_argument("--sums-only", action="store_true",
+                        help="sync mode: serve the mean of each step's pushes, with no optimizer (BytePS's summation service)")
     parser.add_argument("--tls-cert", default="", help="serve TLS with this PEM certificate (and --tls-key)")
     parser.add_argument("--tls-key", default="", help="the certificate's PEM private key")
     parser.add_argument("--checkpoint-dir", default="", help="sync mode: save the state here every --checkpoint-every updates")
@@ -720,6 +736,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if bool(args.tls_cert) != bool(args.tls_key):
         parser.error("--tls-cert and --tls-key go together")
+    if args.sums_only and args.mode != "sync":
+        parser.error("--sums-only runs in --mode sync")
     if args.workers < 1 or args.shard < 0 or args.staleness < 0:
         parser.error("--workers must be >= 1, --shard and --staleness >= 0")
     return args

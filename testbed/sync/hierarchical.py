@@ -19,7 +19,7 @@ from testbed.checks import require
 from testbed.collectives.hierarchical import INTER, hierarchical_allreduce_, node_groups
 from testbed.sim.costs import Cost, halving_doubling, ring
 from testbed.sync.flat import FlatGradSynchronizer
-from testbed.sync.spec import BucketedSyncConfig, SimModel, SyncSpec, require_gloo_cpu
+from testbed.sync.spec import BucketedSyncConfig, SimModel, SyncSpec, ranks_per_node, require_gloo_cpu
 from testbed.world import World
 
 INTER_COSTS = {"ring": ring, "halving_doubling": halving_doubling, "native": ring}
@@ -56,18 +56,10 @@ class HierarchicalAllReduce(FlatGradSynchronizer):
                 "inter": self.cfg.get("inter", "ring")}
 
 
-def _ranks_per_node(cfg: Any) -> int:
-    """A node's ranks as the launcher will lay them out, for the simulator."""
-    if cfg.sync.get("ranks_per_node"):
-        return int(cfg.sync.ranks_per_node)
-    nodes = int(cfg.network.get("nodes") or 0) if cfg.network.name == "emulated" else 0
-    return int(cfg.world_size) // nodes if nodes else int(cfg.world_size)
-
-
 def _cost(cfg: Any) -> Callable[[float], Cost]:
     """On links that are all alike: the node's ring reduce-scatter and all-gather, and the shard's
     all-reduce across nodes."""
-    n, per_node = int(cfg.world_size), _ranks_per_node(cfg)
+    n, per_node = int(cfg.world_size), ranks_per_node(cfg)
     inter = INTER_COSTS[cfg.sync.inter]
 
     def cost(s: float) -> Cost:

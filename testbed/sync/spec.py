@@ -61,12 +61,15 @@ class Servers:
     ``start(plain, world_size, log_dir, hosts, saving, restore)``: a context manager that starts
     them (on ``hosts``, (namespace, address) pairs on an emulated network), writes their addresses
     into ``plain["sync"]``, yields the environment the ranks need to reach them, and stops them on
-    exit; ``apart``: how to run them apart, for launches (torchrun, Slurm) that cannot start them.
+    exit; ``apart``: how to run them apart, for launches (torchrun, Slurm) that cannot start them;
+    ``machines(cfg)``: on a two-level network, the machine of each (testbed.netem.machines_of), when
+    not one of its own each (or one on each node, colocated).
     """
 
     count: Callable[[Any], int]
     start: Callable[..., AbstractContextManager[dict[str, str]]]
     apart: str
+    machines: Callable[[Any], list[int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,15 @@ class SyncSpec:
 
     def local_servers(self, cfg: Any) -> int:
         return self.servers.count(cfg) if self.servers else 0
+
+
+def ranks_per_node(cfg: Any) -> int:
+    """A node's ranks as the launcher lays them out (for the launcher and the simulator):
+    sync.ranks_per_node, an emulated network's nodes, or every rank on one machine."""
+    if cfg.sync.get("ranks_per_node"):
+        return int(cfg.sync.ranks_per_node)
+    nodes = int(cfg.network.get("nodes") or 0) if cfg.network.name == "emulated" else 0
+    return int(cfg.world_size) // nodes if nodes else int(cfg.world_size)
 
 
 def require_gloo_cpu(cfg: Any, what: str) -> None:
