@@ -308,6 +308,8 @@ class SimConfig:
     link: str | None = None  # the calibration's link; null: network.bandwidth when emulated, else loopback
     bandwidth: str | None = None  # nominal rate (e.g. 25gbit); null: network.bandwidth when emulated
     alpha_us: float = 50.0  # nominal per-message latency
+    # Two levels (network.nodes): the nominal rate inside a node; null: network.intra_bandwidth.
+    intra_bandwidth: str | None = None
     # Compute: the step log of a world_size 1 run of the same model and batch, or explicit times.
     compute_from: str | None = None
     compute_ms_per_sample: float | None = None  # forward + backward

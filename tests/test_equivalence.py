@@ -44,8 +44,9 @@ def sweeps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "hierarchical": ["-m", "sync=hierarchical", "sync.ranks_per_node=2", "sync.inter=ring,halving_doubling",
                          "world_size=4,6"],
         "hierarchical_3": ["sync=hierarchical", "sync.ranks_per_node=3", "sync.inter=native", "world_size=6"],
-        # BytePS-style: 2 x 2 with two server machines and with the servers on the nodes; 3 x 2 with one.
-        "byteps": ["-m", "sync=byteps", "sync.ranks_per_node=2", "sync.servers=0,2", "world_size=4"],
+        # BytePS-style: 2 x 2 with two server machines and with the servers on the nodes (1 KB partitions:
+        # a pull streams while pushes go on); 3 x 2 with one.
+        "byteps": ["-m", "sync=byteps", "sync.ranks_per_node=2", "sync.servers=0,2", "sync.partition_kb=1", "world_size=4"],
         "byteps_3": ["sync=byteps", "sync.ranks_per_node=2", "sync.servers=1", "world_size=6"],
     }
     dirs = {}

@@ -176,6 +176,37 @@ def test_sync_applies_the_mean_once_every_worker_pushed() -> None:
     assert refusal(lambda: shard.clock(pb.ClockRequest(worker=0, advance=True)))[0] == PRECONDITION
 
 
+def test_a_summation_only_shard_streams_each_partition_once_every_worker_pushed_it() -> None:
+    shard = Shard(0, 2, "sync", 0, SgdConfig(lr=LR), chunk_bytes=4 * CHUNK, sums_only=True)
+    shard.init_params(iter(chunks(torch.zeros(NUMEL), worker=0, step=NUMEL)))
+    held = threading.Event()
+
+    def paused(stream: list[Chunk]) -> Iterator[Chunk]:  # worker 0 pushes its first partition, then waits
+        yield stream[0]
+        held.wait(timeout=10)
+        yield from stream[1:]
+
+    pushing = in_thread(lambda: shard.push(paused(chunks(torch.full((NUMEL,), 2.0), 0, 0))))
+    # Worker 1's pull is open before its own push: allowed, and it streams as partitions are summed.
+    stream = shard.pull(pb.PullRequest(worker=1, shard=0, clock=1), Context(10.0))
+    assert push(shard, 1, 6.0, 0) == pb.PushReply(version=0, staleness=0)
+    first = decode_chunk(next(stream))  # partition 0 is summed while worker 0 still pushes the rest
+    assert (first.offset, first.length, first.step) == (0, CHUNK, 1) and shard.version == 0
+    assert torch.equal(torch.frombuffer(bytes(first.data), dtype=torch.float32), torch.full((CHUNK,), 4.0))
+    held.set()
+    assert pushing().version == 1
+    rest = [decode_chunk(m) for m in stream]
+    assert [c.offset for c in rest] == [3, 6] and all(bytes(c.data) == torch.full((c.length,), 4.0).numpy().tobytes() for c in rest)
+    assert torch.equal(pull(shard, 0, clock=1)[0], torch.full((NUMEL,), 4.0))  # the mean: no optimizer step
+    assert (shard.version, shard.clocks) == (1, [1, 1])
+    # A push refused mid-stream has had partitions summed: the step fails for everyone, with why.
+    good = chunks(torch.ones(NUMEL), 0, 1)
+    bad = [good[0], replace(good[1], offset=4)]
+    assert refusal(lambda: shard.push(iter(bad)))[0] == INVALID
+    code, message = refusal(lambda: pull(shard, 1, clock=2))
+    assert code == grpc.StatusCode.INTERNAL and "a push of worker 0 was refused mid-stream" in message
+
+
 def test_async_applies_each_push_on_arrival_scaled_by_one_over_workers() -> None:
     shard = make_shard("async")
     assert push(shard, 0, 4.0, 0) == pb.PushReply(version=1, staleness=0)

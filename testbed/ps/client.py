@@ -61,6 +61,7 @@ class PsClient:
         self._push = [c.stream_unary(f"/{SERVICE}/Push", passthrough, pb.PushReply.FromString) for c in self.channels]
         self._pull = [c.unary_stream(f"/{SERVICE}/Pull", pb.PullRequest.SerializeToString, decode_chunk) for c in self.channels]
         self.pool = ThreadPoolExecutor(max_workers=len(addresses), thread_name_prefix="ps-client")
+        self._pushes: ThreadPoolExecutor | None = None  # push_pull's, beside the pool its pulls use
         self._views: dict[int, memoryview] = {}
 
     def _call(self, shard: int, what: str, fn: Callable[[], T]) -> T:
@@ -144,6 +145,18 @@ class PsClient:
         results = self._each(receive)
         return PullResult([r[0] for r in results], max(r[1] for r in results), min(r[2] for r in results))
 
+    def push_pull(self, grads: list[torch.Tensor], base_versions: list[int], clock: int) -> PullResult:
+        """Push every shard and pull it back into ``grads`` at once: a summation-only shard streams
+        each partition's sum as soon as every worker has pushed it, so the pull overlaps the push.
+        A chunk is copied into its message as it is sent, before its sum can come back."""
+        if self._pushes is None:
+            self._pushes = ThreadPoolExecutor(max_workers=len(self.addresses), thread_name_prefix="ps-push")
+        pushes = [self._pushes.submit(self.push_shard, i, grads[i], base_versions[i]) for i in range(len(self.stubs))]
+        pulled = self.pull(grads, clock)
+        for push in pushes:
+            push.result()
+        return pulled
+
     def clock(self, shard: int, advance: bool = False) -> pb.ClockReply:
         request = pb.ClockRequest(worker=self.worker, advance=advance)
         return self._call(shard, "Clock", lambda: self.stubs[shard].Clock(request, timeout=self.timeout_s, metadata=self.metadata))
@@ -158,6 +171,8 @@ class PsClient:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+        if self._pushes is not None:
+            self._pushes.shutdown(wait=True)
         for channel in self.channels:
             channel.close()
 

@@ -11,9 +11,13 @@ Modes (``--mode``):
 - ``ssp``: applied on arrival as in async, but a worker's pull blocks while its clock (pushes made)
   is more than ``--staleness`` ahead of the slowest worker's.
 
-With ``--sums-only`` (BytePS's summation service, sync mode) the shard runs no optimizer: a step's
-update is the mean of its pushes, which the pulls stream back, and the workers step their own
-optimizers with it.
+With ``--sums-only`` (BytePS's summation service, sync mode) the shard runs no optimizer: it holds
+the mean of a step's pushes, which the pulls stream back, and the workers step their own
+optimizers with it. Pushes are folded in partition by partition as they arrive, and a pull may be
+open while its worker still pushes: each partition streams back as soon as every worker has pushed
+it, so pushes and pulls share the link's two directions (BytePS's pipelining). A summation-only
+push is therefore not staged whole before it counts: one refused mid-stream fails the step for
+every worker, with its reason.
 
 The staleness of an applied update is the number of versions applied between the version the
 gradient was computed on and its own application. Every message is validated before it touches
@@ -96,6 +100,8 @@ class Shard:
             raise ValueError(f"a summation-only shard runs in sync mode, not {mode}")
         self.shard, self.workers, self.mode, self.staleness = shard, workers, mode, staleness
         self.sums_only = sums_only
+        self.delivered = [0] * workers  # summation-only: partitions each worker has pushed this step
+        self.summed = 0  # summation-only: partitions of the step in progress summed
         self.optim_cfg, self.chunk_bytes = optim_cfg, chunk_bytes
         self.compress, self.seed = compress, seed
         self.codecs: list[PayloadCodec] | None = None  # one per worker, built with the parameters
@@ -198,7 +204,7 @@ class Shard:
                 self.pull_codecs = [build_codec(plain, values, [values.shape], self.shard, -1 - w, self.seed)
                                     for w in range(slots)]  # type: ignore[misc]
                 self.held = torch.zeros(slots, numel, dtype=dtype)
-        if self.mode == "sync":
+        if self.mode == "sync" and not self.sums_only:
             threading.Thread(target=self._update_loop, name=f"ps{self.shard}-update", daemon=True).start()
 
     # --- checkpoints (sync mode) -----------------------------------------------------------------
@@ -266,6 +272,8 @@ class Shard:
             self.cond.wait_for(self._updated)
             self._check_updating()
             self.pushing.add(worker)
+        if self.sums_only:
+            return self._push_folded(worker, first, stream)
         try:
             received: list[Chunk] = []  # outside the lock; staged only once the whole stream is valid
             numel, dtype = self.params.numel(), self.params.dtype
@@ -279,6 +287,67 @@ class Shard:
         finally:
             with self.cond:
                 self.pushing.discard(worker)
+
+    def _push_folded(self, worker: int, first: Chunk, stream: Iterator[Chunk]) -> pb.PushReply:
+        """(Summation-only) a push folded in chunk by chunk: one chunk per partition."""
+        assert self.params is not None
+        with self.cond:
+            self.pending.add(worker)
+        try:
+            self._receive("Push", first, stream, self.params.numel(), self.params.dtype, worker_bound=self.workers,
+                          same=("worker", "step"), changed="worker and step must not change mid-stream",
+                          take=lambda chunk: self._fold(worker, chunk))
+        except Refused as refused:  # partitions of it may be summed already: the step cannot complete
+            with self.cond:
+                self.apply_error = f"a push of worker {worker} was refused mid-stream ({refused})"
+                self.cond.notify_all()
+            raise
+        finally:
+            with self.cond:
+                self.pushing.discard(worker)
+        with self.cond:
+            self.clocks[worker] += 1
+            self.stats["pushes"] += 1
+            self.stats["bytes_in"] += self.params.numel() * self.params.element_size()
+            self.histogram[0] += 1
+            return pb.PushReply(version=self.version, staleness=0)
+
+    def _fold(self, worker: int, chunk: Chunk) -> None:
+        """Stage one partition of ``worker``'s push; sum, in order, every partition all workers have
+        now pushed, into the values that pulls stream; the last one completes the step."""
+        assert self.params is not None
+        part = self.delivered[worker]
+        lo, hi = self.parts[part]
+        if chunk.length != hi - lo:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"Push: a chunk of {chunk.length} elements for partition "
+                          f"{part} of {hi - lo}: a summation-only shard takes pushes in its partitions (its --chunk-kb)")
+        with self.cond:
+            self.staged[worker].append(torch.frombuffer(chunk.data, dtype=self.params.dtype))
+            self.delivered[worker] += 1
+            start = time.perf_counter()
+            everyone = range(self.workers)
+            for ready in range(self.summed, min(self.delivered)):
+                self._gradient(ready, everyone)  # lands in the values
+            self.summed = max(self.summed, min(self.delivered))
+            self.apply_seconds += time.perf_counter() - start
+            if self.summed == len(self.parts):
+                self.version += 1
+                self.summed, self.delivered = 0, [0] * self.workers
+                self.staged = [[] for _ in everyone]
+                self.pending.clear()
+            self.cond.notify_all()
+
+    def _summed(self, clock: int, part: int) -> bool:
+        """(Summation-only) partition ``part`` holds step ``clock``'s sum."""
+        return self.version >= clock or (self.version == clock - 1 and self.summed > part)
+
+    def _as_summed(self, messages: Iterator[Any], clock: int) -> Iterator[Any]:
+        """(Summation-only) the pull's messages, each once its partition holds step ``clock``'s sum."""
+        for part in range(len(self.parts)):
+            with self.cond:
+                self.cond.wait_for(lambda part=part: self._summed(clock, part) or bool(self.apply_error))
+                self._check_updating()
+            yield next(messages)
 
     def _partitioned(self, received: list[Chunk]) -> list[torch.Tensor]:
         """A valid push as one tensor per partition: zero-copy views of the received messages when
@@ -415,16 +484,18 @@ class Shard:
             self._check_worker(worker)
             if request.shard != self.shard:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"Pull: shard {request.shard}, this is shard {self.shard}")
-            if clock > self.clocks[worker]:
+            # A summation-only pull may be open while its worker's push of that step streams.
+            if clock > self.clocks[worker] + self.sums_only:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                               f"Pull: worker {worker} at clock {clock} has pushed only {self.clocks[worker]} times")
             start = time.perf_counter()
             remaining = context.time_remaining()
-            if not self.cond.wait_for(lambda: self._may_pull(worker, clock), timeout=remaining):
+            if not self.cond.wait_for(lambda: self._may_pull(worker, clock) or bool(self.apply_error), timeout=remaining):
                 raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED,
                               f"Pull: worker {worker} at clock {clock} still blocked; clocks {self.clocks}")
+            self._check_updating()
             blocked = time.perf_counter() - start
-            version = self.version
+            version = clock if self.sums_only else self.version
             self.stats["pulls"] += 1
             slowest = min(self.clocks)
             if self.pull_codecs is not None and self.holding[worker] and not request.full:
@@ -447,7 +518,10 @@ class Shard:
             return
         context.send_initial_metadata(meta)
         messages = self.pull_messages(source, version)
-        yield from messages if self.snapshots is not None else self._as_updated(iter(messages))
+        if self.sums_only:
+            yield from self._as_summed(iter(messages), clock)
+        else:
+            yield from messages if self.snapshots is not None else self._as_updated(iter(messages))
 
     def _hold_full(self, worker: int) -> None:
         """(Under the lock, compressed pulls) ``worker`` is sent the whole parameters: what it holds.
@@ -488,6 +562,8 @@ class Shard:
         return encoded_chunks(source, self.shard, 0, version, self.chunk_bytes, byte_view(source))
 
     def _may_pull(self, worker: int, clock: int) -> bool:
+        if self.sums_only:  # held back until the first partition is summed: the slowest worker's push
+            return self._summed(clock, 0)
         if self.mode == "sync":
             return self.version >= clock
         if self.mode == "ssp":

@@ -48,6 +48,24 @@ class Cost:
 ZERO = Cost(0.0, 0.0, 0.0)
 
 
+def slower(a: Link, b: Link) -> Link:
+    """The link a flow through both ``a`` and ``b`` runs at: the larger of each coefficient."""
+    return Link(max(a.alpha, b.alpha), max(a.beta, b.beta), max(a.gamma, b.gamma))
+
+
+def ring_two_level(n: int, nodes: int, nbytes: float, intra: Link, inter: Link) -> float:
+    """Seconds of a ring over n ranks numbered node by node: in each of its steps every node has
+    one flow out across its uplink and the rest inside, so a step goes at the slower link's pace;
+    on one machine, the intra link's."""
+    return ring(n, nbytes).time(slower(intra, inter) if nodes > 1 else intra)
+
+
+def shared(cost: Cost, flows: int) -> Cost:
+    """``cost`` when ``flows`` operations like it cross one link at once (a node's ranks behind its
+    NIC): the link carries every flow's bytes."""
+    return Cost(cost.messages, cost.bytes * flows, cost.reduced)
+
+
 def _check(n: int, nbytes: float) -> None:
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")

@@ -34,6 +34,7 @@ from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
 from testbed import config
+from testbed.checks import require
 from testbed.collectives.common import chunk_bounds
 from testbed.data.datasets import spec_for
 from testbed.imbalance import shard_batches
@@ -47,6 +48,7 @@ from testbed.sim.costs import ZERO, Cost, Link, allgather
 from testbed.sim.events import compute_times, simulate_ps
 from testbed.sync import run_label, spec_of
 from testbed.sync.flat import bucket_ends
+from testbed.sync.spec import ranks_per_node
 
 
 @dataclass(frozen=True)
@@ -222,6 +224,34 @@ def _bucket_s(part: Compressed, cost: Callable[[float], Cost], link: Link, n: in
     return part.encode_s + _wire(part, cost, n).time(link) + part.decode_s * (1 if part.linear else n)
 
 
+def _nodes(cfg: Any) -> int:
+    return int(cfg.network.get("nodes") or 0) if cfg.network.name == "emulated" else 0
+
+
+def _intra_link(cfg: Any, costing: Any, coded: bool) -> Link:
+    """The link inside a node of a two-level network, once the synchronizer is known to be costed
+    there: sim.intra_bandwidth's, else network.intra_bandwidth's nominal rate."""
+    name = cfg.sync.name
+    if costing.schedule == "clocks":
+        require(cfg.network.servers == "separate" and not coded,
+                       f"sync={name} on two levels is costed with its shards on machines of their own and no codec: "
+                       "network.servers=separate, compress=none")
+    else:
+        require(costing.two_level is not None and costing.schedule == "buckets" and not coded,
+                       f"sync={name}{' with a codec' if coded else ''}: the simulator does not cost it on two levels "
+                       "(network.nodes); predict it with network.nodes=0, or simulate ring, allreduce, ddp, "
+                       "hierarchical, byteps or ps")
+    rate = cfg.sim.intra_bandwidth or cfg.network.get("intra_bandwidth")
+    require(rate is not None, "network.intra_bandwidth is unshaped: give the simulator the rate inside a node, "
+                                     "sim.intra_bandwidth=<rate> (an emulated machine's bridge carries a few gbit; "
+                                     "NVLink about 1000gbit)")
+    try:
+        bits = parse_rate(str(rate))
+    except ValueError as exc:
+        raise config.ConfigError(f"sim.intra_bandwidth={rate}: {exc}") from None
+    return Link(float(cfg.sim.alpha_us) / 1e6, 8.0 / bits)
+
+
 def _bucket_ends(cfg: Any, tensors: list[int]) -> list[int]:
     cap = cfg.sync.get("bucket_mb")
     return bucket_ends(tensors, None if cap is None else float(cap) * 2**20)
@@ -301,14 +331,19 @@ def predict(cfg: Any) -> Prediction:
     facts["impl"] = costing.series(cfg)
     cost = costing.cost(cfg)
     encode = decode = None
+    intra = _intra_link(cfg, costing, coded) if _nodes(cfg) else None
 
     def cost_s(nbytes: float) -> float:
+        if intra is not None and costing.two_level is not None:
+            return costing.two_level(cfg)(nbytes, intra, link)
         return cost(nbytes).time(link)
 
+    if intra is not None:
+        facts.update(nodes=_nodes(cfg), intra_link=asdict(intra))
     if costing.schedule == "clocks":
         numel = round(gradient_bytes / 4)
         plan = _plan(cfg, [[torch.Size([hi - lo])] for lo, hi in chunk_bounds(numel, int(sync.servers))])
-        wait, comm, encode, decode = _parameter_server(cfg, work, gradient_bytes, link, plan)
+        wait, comm, encode, decode = _parameter_server(cfg, work, gradient_bytes, link, plan, intra)
     elif costing.schedule == "average":  # the whole model, at the steps the ranks meet
         plan = None
         meet = np.array([costing.meets(cfg, t) for t in range(steps)])
@@ -354,15 +389,19 @@ def _plan(cfg: Any, groups: list[list[torch.Size]]) -> CodecPlan | None:
 
 
 def _parameter_server(
-    cfg: Any, work: np.ndarray, nbytes: float, link: Link, plan: CodecPlan | None,
+    cfg: Any, work: np.ndarray, nbytes: float, link: Link, plan: CodecPlan | None, intra: Link | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
     """(wait at the pull gate, transfer, encode, decode) per step and rank from the worker-clock
     simulation; with a codec, a worker encodes every shard before it pushes, each shard decodes
     every push, and compressed pulls are encoded by the shard (once per version in sync mode, for
-    each worker otherwise) and decoded by the worker."""
+    each worker otherwise) and decoded by the worker. On two levels (``intra``: the link inside a
+    node; ``link``: the uplinks) a node's workers push and pull through one uplink at once, and each
+    shard has a machine of its own."""
     k, mode = int(cfg.sync.servers), str(cfg.sync.mode)
     push, pull = nbytes, nbytes
     server_in = server_out = nbytes / k * link.beta  # what each push (or pull) puts on every server's link
+    if intra is not None:
+        link = Link(max(intra.alpha, link.alpha), max(intra.beta, ranks_per_node(cfg) * link.beta), link.gamma)
     own_extra = 0.0
     encode = decode = None
     if plan is not None:
@@ -416,9 +455,6 @@ def simulate(cfg: Any) -> dict[str, Any]:
     """The summary a run of ``cfg`` is predicted to produce (config.ConfigError for a bad config)."""
     # Every rank is simulated and none spawned: no network to build, no GPU per rank to find.
     plain = config.to_plain(cfg)
-    if cfg.network.get("nodes"):
-        raise config.ConfigError(f"network.nodes={cfg.network.nodes}: the simulator costs a flat network (a link per "
-                                 "rank and server); predict with network.nodes=0")
     config.validate(OmegaConf.create({**plain, "network": {"name": "loopback"}}), local_world_size=1, simulated=True)
     prediction = predict(cfg)
     summary = summarize(plain, prediction.records, label=run_label(plain))

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from testbed.sim.costs import ring
 from testbed.sync.flat import FlatGradSynchronizer, InFlight, Traffic
-from testbed.sync.spec import BucketedSyncConfig, SimModel, SyncSpec
+from testbed.sync.spec import BucketedSyncConfig, SimModel, SyncSpec, node_ordered_ring
 
 
 class NcclAlgo(enum.Enum):
@@ -84,7 +84,9 @@ class _AsyncAllReduce:
 
 
 # Gloo's all-reduce of large buffers is a ring; the calibration fits the backend's own as "native".
-NATIVE = SimModel(series=lambda cfg: "native", cost=lambda cfg: lambda s: ring(int(cfg.world_size), s))
+# Gloo's CPU all-reduce is a ring (NCCL's between nodes too, where it picks Ring).
+NATIVE = SimModel(series=lambda cfg: "native", cost=lambda cfg: lambda s: ring(int(cfg.world_size), s),
+                  two_level=node_ordered_ring)
 
 SPEC = SyncSpec(
     name="allreduce", schema=AllReduceSyncConfig, impl=NativeAllReduce, sim=NATIVE, compresses=True,

@@ -36,7 +36,7 @@ from testbed.collectives.hierarchical import node_groups
 from testbed.collectives.ring import ring_allgather_chunks_, ring_reduce_scatter_
 from testbed.faults import PS_PIDS_ENV
 from testbed.ps.modes import MAX_CHUNK_KB
-from testbed.sim.costs import ZERO, Cost, parameter_server, ring
+from testbed.sim.costs import ZERO, Cost, Link, parameter_server, ring
 from testbed.sync.base import Synchronizer, SyncReport, flat_views
 from testbed.sync.spec import Servers, SimModel, SyncBase, SyncSpec, ranks_per_node, require_gloo_cpu
 from testbed.world import World
@@ -134,9 +134,8 @@ class BytePsSync(Synchronizer):
             return SyncReport()
         traffic = ring_reduce_scatter_(self.flat_grads, self.intra)
         self.chunk.div_(self.layout.per_node)  # the shards average over nodes: the mean over every rank
-        self.client.push(self.pieces, self.versions)
         self.clock += 1
-        pulled = self.client.pull(self.pieces, self.clock)
+        pulled = self.client.push_pull(self.pieces, self.versions, self.clock)
         self.versions = pulled.versions
         traffic += ring_allgather_chunks_(self.flat_grads, self.intra)
         return SyncReport(bytes_sent=traffic.sent + self.bytes_per_chunk, bytes_recv=traffic.recv + self.bytes_per_chunk,
@@ -203,14 +202,29 @@ def _cost(cfg: Any) -> Callable[[float], Cost]:
 
     def cost(s: float) -> Cost:
         inside = ring(lay.per_node, s) if lay.per_node > 1 else ZERO
-        return inside + parameter_server(lay.nodes, s / lay.per_node, servers=lay.machines, colocated=colocated)
+        return inside + parameter_server(lay.nodes, s / lay.per_node, servers=lay.machines, colocated=colocated,
+                                       overlap_push_pull=True)
 
     return cost
 
 
+def _two_level(cfg: Any) -> Callable[[float, Link, Link], float]:
+    """Inside the node on its links; across, each node's chunks together are its whole gradient
+    through its uplink, to server machines whose uplinks carry N M / k each way."""
+    lay = layout(cfg)
+    colocated = not int(cfg.sync.servers)
+
+    def seconds(s: float, intra: Link, inter: Link) -> float:
+        inside = ring(lay.per_node, s).time(intra) if lay.per_node > 1 else 0.0
+        return inside + parameter_server(lay.nodes, s, servers=lay.machines, colocated=colocated,
+                                         overlap_push_pull=True).time(inter)
+
+    return seconds
+
+
 SPEC = SyncSpec(
     name="byteps", schema=BytePsSyncConfig, impl=BytePsSync, check=_check, label=label,
-    sim=SimModel(series=lambda cfg: "ps_k1", cost=_cost),
+    sim=SimModel(series=lambda cfg: "ps_k1", cost=_cost, two_level=_two_level),
     servers=Servers(
         count=lambda cfg: layout(cfg).shards,
         start=_start_servers,

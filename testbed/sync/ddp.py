@@ -127,5 +127,5 @@ def _label(sync: Mapping[str, Any]) -> str:
 SPEC = SyncSpec(
     name="ddp", schema=DdpSyncConfig, impl=DdpSync, check=_check, label=_label,
     no_codec="DDP runs torch's own hooks: use sync.hook=fp16|bf16|powersgd",
-    sim=SimModel(series=NATIVE.series, cost=NATIVE.cost, overlap=lambda cfg: True),  # DDP always overlaps
+    sim=SimModel(series=NATIVE.series, cost=NATIVE.cost, two_level=NATIVE.two_level, overlap=lambda cfg: True),  # DDP always overlaps
 )

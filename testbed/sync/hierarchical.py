@@ -17,7 +17,7 @@ from torch import nn
 
 from testbed.checks import require
 from testbed.collectives.hierarchical import INTER, hierarchical_allreduce_, node_groups
-from testbed.sim.costs import Cost, halving_doubling, ring
+from testbed.sim.costs import Cost, Link, halving_doubling, ring, shared
 from testbed.sync.flat import FlatGradSynchronizer
 from testbed.sync.spec import BucketedSyncConfig, SimModel, SyncSpec, ranks_per_node, require_gloo_cpu
 from testbed.world import World
@@ -69,6 +69,19 @@ def _cost(cfg: Any) -> Callable[[float], Cost]:
     return cost
 
 
+def _two_level(cfg: Any) -> Callable[[float, Link, Link], float]:
+    """Inside the node on its links; across, the node's ranks each all-reduce their shard at once,
+    so their flows share its uplink."""
+    n, per_node = int(cfg.world_size), ranks_per_node(cfg)
+    inter = INTER_COSTS[cfg.sync.inter]
+
+    def seconds(s: float, intra_link: Link, inter_link: Link) -> float:
+        inside = ring(per_node, s).time(intra_link) if per_node > 1 else 0.0
+        return inside + (shared(inter(n // per_node, s / per_node), per_node).time(inter_link) if n > per_node else 0.0)
+
+    return seconds
+
+
 def _check(cfg: Any) -> None:
     require(cfg.sync.inter in INTER, f"sync.inter={cfg.sync.inter}: one of {'|'.join(INTER)}")
     per_node = cfg.sync.ranks_per_node
@@ -78,4 +91,4 @@ def _check(cfg: Any) -> None:
 
 
 SPEC = SyncSpec(name="hierarchical", schema=HierarchicalSyncConfig, impl=HierarchicalAllReduce, check=_check,
-                compresses=True, sim=SimModel(series=lambda cfg: "ring", cost=_cost))
+                compresses=True, sim=SimModel(series=lambda cfg: "ring", cost=_cost, two_level=_two_level))

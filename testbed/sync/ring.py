@@ -10,7 +10,7 @@ from testbed.collectives.common import chunk_bounds
 from testbed.collectives.ring import ring_allreduce_
 from testbed.sim.costs import ring
 from testbed.sync.flat import FlatGradSynchronizer
-from testbed.sync.spec import BucketedSyncConfig, SimModel, SyncSpec, require_gloo_cpu
+from testbed.sync.spec import BucketedSyncConfig, SimModel, SyncSpec, node_ordered_ring, require_gloo_cpu
 
 
 @dataclass
@@ -28,7 +28,8 @@ class RingAllReduce(FlatGradSynchronizer):
         return traffic.sent, traffic.recv
 
 
-RING = SimModel(series=lambda cfg: "ring", cost=lambda cfg: lambda s: ring(int(cfg.world_size), s))
+RING = SimModel(series=lambda cfg: "ring", cost=lambda cfg: lambda s: ring(int(cfg.world_size), s),
+                two_level=node_ordered_ring)
 
 SPEC = SyncSpec(name="ring", schema=RingSyncConfig, impl=RingAllReduce, sim=RING, compresses=True,
                 check=lambda cfg: require_gloo_cpu(cfg, "sync=ring"))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from testbed.checks import require, resolved_backend, resolved_device
-from testbed.sim.costs import Cost
+from testbed.sim.costs import Cost, Link, ring_two_level
 
 
 @dataclass
@@ -43,11 +43,15 @@ class SimModel:
     after backward or overlapped with it; ``average``, the whole model at the steps ``meets`` says
     (local SGD); ``clocks``, pushes and pulls through the parameter server's worker-clock
     simulation. ``cost(cfg)`` gives the cost of one message of ``s`` bytes, and ``series(cfg)`` the
-    calibration series (testbed.sim.calibrate) whose link fit prices it.
+    calibration series (testbed.sim.calibrate) whose link fit prices it. ``two_level(cfg)``, on a
+    two-level network (``network.nodes``), the seconds of one message of ``s`` bytes given the link
+    inside a node and a node's uplink (its sharing by the node's ranks included); None where the
+    synchronizer is not costed there.
     """
 
     series: Callable[[Any], str]
     cost: Callable[[Any], Callable[[float], Cost]]
+    two_level: Callable[[Any], Callable[[float, Link, Link], float]] | None = None
     schedule: str = "buckets"
     overlap: Callable[[Any], bool] = lambda cfg: bool(cfg.sync.get("overlap", False))
     meets: Callable[[Any, int], bool] = lambda cfg, step: True
@@ -91,6 +95,12 @@ class SyncSpec:
 
     def local_servers(self, cfg: Any) -> int:
         return self.servers.count(cfg) if self.servers else 0
+
+
+def node_ordered_ring(cfg: Any) -> Callable[[float, Link, Link], float]:
+    """SimModel.two_level of a ring over the ranks in node order (testbed.sim.costs.ring_two_level)."""
+    n, nodes = int(cfg.world_size), int(cfg.network.nodes)
+    return lambda s, intra, inter: ring_two_level(n, nodes, s, intra, inter)
 
 
 def ranks_per_node(cfg: Any) -> int:
