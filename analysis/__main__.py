@@ -4,7 +4,8 @@ Loads the runs, prints the comparison table, and writes figures (PNG and PDF) an
 scaling efficiency and throughput against workers, speed-up and marginal speed-up (diminishing
 returns), step time, idle fraction and time to a target loss against every other swept override,
 loss against wall-clock time, the per-step time breakdown, and, where runs differ in codec, each
-codec against none under each synchronizer. Given the JSON records of
+codec against none under each synchronizer, and on two-level networks what crossed each machine's
+uplink. Given the JSON records of
 ``python -m testbed.bench`` (and ``testbed.bench.ps``), it draws the collective benchmark (figure 2)
 with the alpha-beta fits the simulator uses.
 """
@@ -16,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from analysis import collectives, compression, figures, published, validation
+from analysis import collectives, compression, figures, published, topology, validation
 from analysis.load import load
 from analysis.metrics import aggregate, aggregate_by, breakdown, loss_curves, swept_keys, time_to_target
 from analysis.report import write_report
@@ -75,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         written += figures.step_breakdown(runs, out)
     sections = [published.horovod_section(table)] if not table.empty else []
     figs, section = compression.analyse(runs, out)
+    written += figs
+    sections.append(section)
+    figs, section = topology.analyse(summaries, out)
     written += figs
     sections.append(section)
     if args.calibration:

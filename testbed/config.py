@@ -697,3 +697,5 @@ def short_dirname(name: str, limit: int = 200) -> str:
 # available to every entry point (app, Compose API, tests).
 register_schemas()
 OmegaConf.register_new_resolver("short_dirname", short_dirname, replace=True)
+# ${div:a,b}: a // b, at least 1 (a preset's machines from its world size: network.nodes=${div:${world_size},8}).
+OmegaConf.register_new_resolver("div", lambda a, b: max(1, int(a) // int(b)), replace=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -79,3 +81,19 @@ def servers(tmp_path: Path, mode: str, workers: int, staleness: int = 2) -> Loca
 
 def client(ps: LocalServers, worker: int) -> PsClient:
     return PsClient(ps.addresses, ps.token, worker, timeout_s=20.0, chunk_bytes=CHUNK_BYTES)
+
+
+def rank_pids(job: Path) -> list[int]:
+    """The pids the ranks logged at start."""
+    return [int(m) for log in job.glob("logs/*/attempt_0/*/stdout.log") for m in re.findall(r"pid (\d+)", log.read_text())]
+
+
+def assert_nothing_left(job: Path) -> None:
+    for pid in rank_pids(job):
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), pid
+    servers = subprocess.run(["pgrep", "-f", f"testbed.ps.server.*{job}"], capture_output=True, text=True).stdout
+    assert servers.strip() == "", f"parameter servers still running: {servers}"
+    assert not (job / "logs" / "tmp").exists()
+    if shutil.which("ip"):
+        netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert not re.search(rf"tb{os.getpid()}n", netns)  # none of this test process's launchers

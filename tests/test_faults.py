@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from conftest import read_json, read_jsonl, run_cli
+from conftest import assert_nothing_left, read_json, read_jsonl, run_cli
 from omegaconf import OmegaConf
 
 from testbed.faults import fault_step
@@ -22,22 +20,6 @@ needs_root = pytest.mark.skipif(
     reason="emulated networks need root and iproute2",
 )
 QUICK = ["steps=12", "warmup_steps=1", "launcher.echo_rank0=false"]
-
-
-def rank_pids(job: Path) -> list[int]:
-    """The pids the ranks logged at start."""
-    return [int(m) for log in job.glob("logs/*/attempt_0/*/stdout.log") for m in re.findall(r"pid (\d+)", log.read_text())]
-
-
-def assert_nothing_left(job: Path) -> None:
-    for pid in rank_pids(job):
-        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), pid
-    servers = subprocess.run(["pgrep", "-f", f"testbed.ps.server.*{job}"], capture_output=True, text=True).stdout
-    assert servers.strip() == "", f"parameter servers still running: {servers}"
-    assert not (job / "logs" / "tmp").exists()
-    if shutil.which("ip"):
-        netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        assert not re.search(rf"tb{os.getpid()}n", netns)  # none of this test process's launchers
 
 
 def failed_job(tmp_path: Path, overrides: list[str], timeout: float = 300) -> tuple[dict, Path, float]:

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import cli_env, load_params, read_json, run_cli
+from conftest import assert_nothing_left, cli_env, load_params, read_json, run_cli
 
 from testbed.netem import parse_rate
 
@@ -122,6 +122,7 @@ def test_machines_share_one_uplink_which_carries_the_crossings(tmp_path: Path, c
         proc = run_cli([*args, f"steps={steps}", f"hydra.run.dir={tmp_path / str(steps)}"], cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         summaries[steps] = read_json(tmp_path / str(steps) / "summary.json")
+        assert_nothing_left(tmp_path / str(steps))  # ranks, servers; the namespaces: no_leftovers
     topology = summaries[11]["topology"]
     assert topology["machines"] == machines and topology["intra_bandwidth"] is None
     assert sorted(topology["uplink_bytes"]) == sorted(str(m) for m in gradients)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import cli_env, load_params, read_json, read_jsonl, run_cli
+from conftest import cli_env, load_params, rank_pids, read_json, read_jsonl, run_cli
 from test_equivalence import COMMON, TOL, relative_error
 
 
@@ -26,10 +26,6 @@ def alive(pid: int) -> bool:
 
 def server_pids(job: Path) -> list[int]:
     return [int(m) for log in sorted((job / "logs").glob("ps*.log")) for m in re.findall(r"pid (\d+)", log.read_text())]
-
-
-def rank_pids(job: Path) -> list[int]:
-    return [int(m) for log in (job / "logs").glob("*/attempt_0/*/stdout.log") for m in re.findall(r"pid (\d+)", log.read_text())]
 
 
 @pytest.fixture(scope="module")

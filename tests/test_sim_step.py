@@ -10,11 +10,12 @@ import pytest
 from conftest import read_json, run_cli
 from hydra import compose, initialize_config_dir
 
+from testbed.checks import ConfigError
 from testbed.data.datasets import load_dataset
 from testbed.models import build_model, gradient_bytes
 from testbed.paths import config_dir
 from testbed.results.summary import load_summaries
-from testbed.sim.costs import Link, parameter_server, ring
+from testbed.sim.costs import Cost, Link, parameter_server, ring
 from testbed.sim.step import exposed_comm, gradient_ready, gradient_tensors, simulate
 from testbed.sim.validate import validate
 from testbed.sync.flat import bucket_ends
@@ -89,6 +90,51 @@ def test_parameter_server_sync_matches_the_closed_form() -> None:
         m = sum(gradient_tensors(cfg))
         expected = COMPUTE + parameter_server(4, m, servers=k).time(Link(0.0, BETA))
         assert simulate(cfg)["step_time"] == pytest.approx(expected, rel=1e-6), k
+
+
+# Two machines of two ranks: 4 Gbit inside a machine, 1 Gbit from each machine's uplink.
+TWO_LEVEL = ["network=emulated", "network.nodes=2", "world_size=4", "sim.intra_bandwidth=4gbit"]
+INTRA, INTER = Link(ALPHA, 8 / 4e9), Link(ALPHA, BETA)
+
+
+@pytest.mark.parametrize("sync", ["ring", "hierarchical", "byteps", "byteps_colocated", "byteps_sharded"])
+def test_two_level_step_is_compute_plus_each_levels_cost(sync: str) -> None:
+    cfg = cfg_of([f"sync={sync}", *TWO_LEVEL])
+    m = sum(gradient_tensors(cfg))
+    inside = ring(2, m).time(INTRA)  # the node's reduce-scatter and all-gather
+    comm = {
+        "ring": ring(4, m).time(INTER),  # one crossing flow a step per uplink, at the uplink's pace
+        # two ranks' shards all-reduced across at once: both through the uplink, M/2 each
+        "hierarchical": inside + Cost(2, 2 * (1 / 2) * m, 0).time(INTER),
+        # a node's whole gradient through its uplink, the one server machine's taking N M (pipelined)
+        "byteps": inside + Cost(2, 2 * m, 0).time(INTER),
+        # half of what a node serves itself stays in: (N - 1)/N M a phase
+        "byteps_colocated": inside + Cost(2, 2 * (1 / 2) * m, 0).time(INTER),
+        "byteps_sharded": inside + Cost(2, m, 0).time(INTER),  # M each way at once
+    }[sync]
+    summary = simulate(cfg)
+    assert summary["sync_facts"]["nodes"] == 2
+    assert summary["step_time"] == pytest.approx(COMPUTE + comm, rel=1e-3)
+
+
+def test_two_level_parameter_server_shares_each_nodes_uplink() -> None:
+    """Both workers of a node push through its uplink at once: with a shard per worker the node's
+    uplink binds (2 M a phase), not the servers' (M each)."""
+    for k, binding in ((1, 4), (4, 2)):
+        cfg = cfg_of(["sync=ps", f"sync.servers={k}", "sim.alpha_us=0", *TWO_LEVEL])
+        m = sum(gradient_tensors(cfg))
+        assert simulate(cfg)["step_time"] == pytest.approx(COMPUTE + 2 * binding * m * BETA, rel=1e-6), k
+
+
+@pytest.mark.parametrize(("overrides", "refusal"), [
+    (["sync=tree"], "sync=tree: the simulator does not cost it on two levels"),
+    (["sync=ring", "compress=fp16"], "sync=ring with a codec: the simulator does not cost it on two levels"),
+    (["sync=ps", "network.servers=colocated"], "sync=ps on two levels is costed with its shards on machines of their own"),
+    (["sync=ring", "sim.intra_bandwidth=null"], "network.intra_bandwidth is unshaped"),
+])
+def test_what_the_simulator_does_not_cost_on_two_levels_is_refused(overrides: list[str], refusal: str) -> None:
+    with pytest.raises(ConfigError, match=refusal):
+        simulate(cfg_of([*TWO_LEVEL, *overrides]))
 
 
 def test_a_straggler_sets_the_pace_and_the_imbalance() -> None:

@@ -50,7 +50,12 @@ def _communicates(summary: dict[str, Any]) -> bool:
 def _predict(summary: dict[str, Any], calibration: str, compute_from: str, cores: int | None) -> tuple[float, str]:
     """The predicted step time, or NaN and why the simulator cannot predict this run."""
     plain = dict(summary["config"])  # runs older than the `sim` node get its defaults
-    plain["sim"] = {**asdict(config.SimConfig()), "calibration": calibration, "cores": cores, "compute_from": compute_from}
+    # Of the run's own sim node only what describes its network (the rate inside a machine).
+    own = {key: value for key, value in (plain.get("sim") or {}).items() if key == "intra_bandwidth"}
+    plain["sim"] = {**asdict(config.SimConfig()), **own, "calibration": calibration, "cores": cores,
+                    "compute_from": compute_from}
+    if "addresses" in plain["sync"]:  # the servers' addresses of that run, written by its launcher
+        plain["sync"] = {**plain["sync"], "addresses": []}
     plain.setdefault("compress", {"name": "none"})  # runs from before codecs
     try:
         return simulate(OmegaConf.create(plain))["step_time"], ""
