@@ -99,18 +99,22 @@ INTRA, INTER = Link(ALPHA, 8 / 4e9), Link(ALPHA, BETA)
 
 @pytest.mark.parametrize("sync", ["ring", "hierarchical", "byteps", "byteps_colocated", "byteps_sharded"])
 def test_two_level_step_is_compute_plus_each_levels_cost(sync: str) -> None:
-    cfg = cfg_of([f"sync={sync}", *TWO_LEVEL])
+    cfg = cfg_of([f"sync={sync}", *TWO_LEVEL, *(["sync.partition_kb=1"] if sync.startswith("byteps") else [])])
     m = sum(gradient_tensors(cfg))
     inside = ring(2, m).time(INTRA)  # the node's reduce-scatter and all-gather
+
+    def pipelined(piece: float) -> float:  # push and pull overlap but for one partition of a shard's piece
+        return 1 + 1 / math.ceil(piece / 1024)
+
     comm = {
         "ring": ring(4, m).time(INTER),  # one crossing flow a step per uplink, at the uplink's pace
         # two ranks' shards all-reduced across at once: both through the uplink, M/2 each
         "hierarchical": inside + Cost(2, 2 * (1 / 2) * m, 0).time(INTER),
-        # a node's whole gradient through its uplink, the one server machine's taking N M (pipelined)
-        "byteps": inside + Cost(2, 2 * m, 0).time(INTER),
+        # a node's whole gradient through its uplink, the one server machine's taking N M
+        "byteps": inside + Cost(2, pipelined(m / 2) * 2 * m, 0).time(INTER),
         # half of what a node serves itself stays in: (N - 1)/N M a phase
         "byteps_colocated": inside + Cost(2, 2 * (1 / 2) * m, 0).time(INTER),
-        "byteps_sharded": inside + Cost(2, m, 0).time(INTER),  # M each way at once
+        "byteps_sharded": inside + Cost(2, pipelined(m / 4) * m, 0).time(INTER),  # M each way at once
     }[sync]
     summary = simulate(cfg)
     assert summary["sync_facts"]["nodes"] == 2

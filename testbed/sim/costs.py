@@ -185,13 +185,16 @@ def allgather(n: int, nbytes: float) -> Cost:
 
 
 def parameter_server(
-    n: int, nbytes: float, servers: int = 1, colocated: bool = False, overlap_push_pull: bool = False
+    n: int, nbytes: float, servers: int = 1, colocated: bool = False, overlap_push_pull: bool = False,
+    partitions: int | None = None,
 ) -> Cost:
     """Every worker pushes M and pulls M, split over ``servers`` (k) shards of M/k.
 
     Separate server machines: each server NIC carries n M / k each way, each worker NIC M, so the
     busiest NIC moves max(M, n M / k) per phase; push then pull costs two phases, overlapping them
-    (BytePS, full duplex) one. Each server sums the n M / k bytes it receives.
+    (BytePS, full duplex) one; overlapped over a shard's P ``partitions``, 1 + 1/P (the first
+    partition's push and the last one's pull have nothing beside them; P = 1 is no overlap).
+    Each server sums the n M / k bytes it receives.
 
     Colocated (k == n, every worker serves one shard): each NIC carries (n-1)/n M per phase each way,
     ring's bandwidth term; overlapping does not help because both phases already use both directions.
@@ -207,7 +210,7 @@ def parameter_server(
         if n == 1:
             return ZERO
         return Cost(2, 2 * (n - 1) / n * nbytes, reduced)
-    phases = 1 if overlap_push_pull else 2
+    phases = (1 + 1 / partitions if partitions else 1) if overlap_push_pull else 2
     return Cost(2, phases * max(nbytes, n * nbytes / servers), reduced)
 
 

@@ -20,6 +20,7 @@ each partition back once every worker has pushed it: push and pull share the lin
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -197,16 +198,22 @@ def _start_servers(
         yield {TOKEN_ENV: ps.token, PS_PIDS_ENV: json.dumps([proc.pid for proc in ps.procs])}
 
 
+def _partitions(cfg: Any, lay: Layout, s: float) -> int:
+    """Partitions of each shard's piece of ``s`` gradient bytes."""
+    return max(1, math.ceil(s / lay.per_node / lay.machines / (int(cfg.sync.partition_kb) * 1024)))
+
+
 def _cost(cfg: Any) -> Callable[[float], Cost]:
     """On links that are all alike (each shard its own): the node's ring reduce-scatter and
-    all-gather, and each chunk's push and pull through its machines' shards."""
+    all-gather, and each chunk's push and pull through its machines' shards, overlapped over the
+    shard's partitions."""
     lay = layout(cfg)
     colocated = not int(cfg.sync.servers)
 
     def cost(s: float) -> Cost:
         inside = ring(lay.per_node, s) if lay.per_node > 1 else ZERO
         return inside + parameter_server(lay.nodes, s / lay.per_node, servers=lay.machines, colocated=colocated,
-                                       overlap_push_pull=True)
+                                         overlap_push_pull=True, partitions=_partitions(cfg, lay, s))
 
     return cost
 
@@ -219,8 +226,9 @@ def _two_level(cfg: Any) -> Callable[[float, Link, Link], float]:
 
     def seconds(s: float, intra: Link, inter: Link) -> float:
         inside = ring(lay.per_node, s).time(intra) if lay.per_node > 1 else 0.0
-        return inside + parameter_server(lay.nodes, s, servers=lay.machines, colocated=colocated,
-                                         overlap_push_pull=True).time(inter)
+        across = parameter_server(lay.nodes, s, servers=lay.machines, colocated=colocated, overlap_push_pull=True,
+                                  partitions=_partitions(cfg, lay, s))
+        return inside + across.time(inter)
 
     return seconds
 
