@@ -13,8 +13,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-PRESETS := compare scaling overlap buckets accumulation stragglers diminishing paper_models
-SIM_PRESETS := scaling_sim horovod
+PRESETS := compare scaling overlap buckets accumulation stragglers diminishing paper_models topology
+SIM_PRESETS := scaling_sim horovod topology_sim
 RUN_DIR = results/$(PRESET)/$(shell date +%Y-%m-%d_%H-%M-%S)
 
 .PHONY: setup demo figure figures sim-figure lint test test-fast bench overhead clean

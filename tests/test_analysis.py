@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import cli_env, read_json, read_jsonl, run_cli
 
-from analysis import compression
+from analysis import compression, topology
 from analysis.load import load_local
 from analysis.metrics import aggregate, loss_curves, time_to_target
 
@@ -142,3 +142,28 @@ def test_codecs_are_compared_with_no_codec_under_each_synchronizer(tmp_path: Pat
                           text=True, env=cli_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert all((tmp_path / "wide" / f"{name}.png").stat().st_size > 1000 for name in ("scaling", "compression"))
+
+
+def test_two_level_runs_get_their_uplinks_per_step_and_the_ring_as_reference(tmp_path: Path) -> None:
+    """Two machines of two ranks, a server machine: per step is the counters over the steps run."""
+    grad, steps = 1_000_000, 10
+
+    def run(label: str, rate: str, throughput: float, node_bytes: float, server_bytes: float | None) -> dict:
+        machines = {"r0": 0, "r1": 0, "r2": 1, "r3": 1} | ({"s0": 2} if server_bytes else {})
+        counters = {str(m): {"sent": node_bytes * steps, "received": node_bytes * steps} for m in (0, 1)}
+        if server_bytes:
+            counters["2"] = {"sent": server_bytes * steps, "received": server_bytes * steps}
+        return {"status": "ok", "sync": label.split()[0], "sync_label": label, "world_size": 4, "throughput": throughput,
+                "steps_configured": steps, "gradient_bytes": grad,
+                "topology": {"bandwidth": rate, "machines": machines, "uplink_bytes": counters}}
+
+    summaries = [run("ring", "1gbit", 100.0, 1.5 * grad, None), run("byteps k=1", "1gbit", 80.0, grad, 2 * grad),
+                 run("ring", "500mbit", 50.0, 1.5 * grad, None), {"status": "ok", "world_size": 4}]  # a flat run
+    frame = topology.table(summaries).set_index(["link", "sync"])
+    assert len(frame) == 3
+    byteps = frame.loc[("1gbit", "byteps k=1")]
+    assert (byteps["nodes"], byteps["node_out_m"], byteps["server_in_mb"], byteps["vs_ring"]) == (2, 1.0, 2.0, 0.8)
+    assert frame.loc[("500mbit", "ring")]["node_out_m"] == 1.5 and frame.loc[("500mbit", "ring")]["vs_ring"] == 1.0
+    figures, section = topology.analyse(summaries, tmp_path)
+    assert section.startswith("## Two levels") and "byteps k=1" in section
+    assert (tmp_path / "topology.png").stat().st_size > 1000 and tmp_path / "topology.png" in figures
