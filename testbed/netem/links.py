@@ -137,7 +137,7 @@ class EmulatedNetwork:
                  machines: dict[str, int] | None = None, intra_bandwidth: str | None = None) -> None:
         if len(endpoints) > MAX_ENDPOINTS:
             raise ValueError(f"an emulated network holds at most {MAX_ENDPOINTS} ranks and servers")
-        self.rate_bps = parse_rate(bandwidth)
+        parse_rate(bandwidth)  # a rate tc would misread is refused before anything is built
         self.bandwidth, self.latency_ms = bandwidth, latency_ms
         self.machines, self.intra_bandwidth = machines, intra_bandwidth
         self.prefix = f"tb{os.getpid()}n{next(_sequence)}"
