@@ -184,5 +184,5 @@ def step_breakdown(runs: pd.DataFrame, out: Path) -> list[Path]:
 
 def _short_label(row: pd.Series) -> str:
     keep = [o for o in str(row["overrides"]).split(",") if o and not o.startswith(("+experiment", "sync=", "world_size=",
-                                                                                     "device=", "launcher.", "hydra."))]
+                                                                                     "device=", "launcher.", "hydra.", "sweep_resume="))]
     return f"{row['option']} n={row['world_size']}" + (f" {' '.join(keep)}" if keep else "")

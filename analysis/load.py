@@ -25,7 +25,7 @@ SUMMARY_COLUMNS = (
     "imbalance", "idle_fraction", "bytes_per_step", "final_loss",
 )
 # Overrides that do not describe the experiment (where it ran, how it logs) or that a label shows anyway.
-QUIET = ("sync=", "compress=", "+experiment=", "device=", "launcher.", "hydra.", "wandb.", "sim.")
+QUIET = ("sync=", "compress=", "+experiment=", "device=", "launcher.", "hydra.", "wandb.", "sim.", "sweep_resume=")
 
 
 def run_row(summary: dict[str, Any], overrides: list[str], source: str) -> dict[str, Any]:

@@ -352,6 +352,9 @@ class Config:
     # Points of a sweep not to run, each a list of overrides (e.g. [sync=ps, compress=powersgd]): a
     # job given all of one entry's overrides is skipped, neither checked nor spawned (testbed.sweeps).
     sweep_exclude: list[list[str]] = field(default_factory=list)
+    # A sweep run again into its own hydra.sweep.dir: jobs whose summary.json is ok with this very
+    # config (its config_hash) are not run again; failed and missing ones are (testbed.sweeps).
+    sweep_resume: bool = False
     # torch.distributed's own diagnostics: TORCH_DISTRIBUTED_DEBUG=DETAIL (collective checks and
     # desync reports), C++ logs at INFO, NCCL_DEBUG=INFO and NCCL's desync debug.
     debug: bool = False

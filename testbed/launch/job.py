@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from contextlib import ExitStack
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
+from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from testbed import checkpoint, config
 from testbed.launch.existing import in_submitit_job, surrounding_world
@@ -21,7 +23,7 @@ from testbed.rank_failure import lost_peer, root_cause
 from testbed.results.summary import failed_summary, summarize, write_summary
 from testbed.results.table import format_table, summary_row
 from testbed.stall import read_stall
-from testbed.sweeps import excluded
+from testbed.sweeps import excluded, finished
 from testbed.sync import SYNCHRONIZERS, run_label
 from testbed.world import DEBUG_ENV
 
@@ -37,6 +39,11 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
     if skipped is not None:
         log.info("skipped: the sweep excludes %s (sweep_exclude)", ",".join(skipped))
         return None
+    if multirun and cfg.get("sweep_resume"):
+        done = finished(job_dir, config.to_plain(cfg))
+        if done is not None:
+            log.info("done already: %s is ok with this config (sweep_resume)", job_dir)
+            return done
     try:
         joined = surrounding_world()
         if joined is not None:
@@ -106,6 +113,10 @@ def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path, identity: dict
             return summary
     except RankFailure as failure:
         return _record_failure(job_dir, plain, failure.message, failure.rank)
+    except (SignalException, KeyboardInterrupt) as stop:  # told to stop: keep this job's result, end the sweep
+        signum = stop.sigval if isinstance(stop, SignalException) else signal.SIGINT
+        _record_failure(job_dir, plain, f"stopped by {signal.Signals(signum).name}", None)
+        raise SystemExit(128 + int(signum)) from None
     except Exception as exc:  # servers that never came up, a rendezvous timeout, ...: still a result
         return _record_failure(job_dir, plain, f"{type(exc).__name__}: {exc}", None)
 
@@ -152,7 +163,9 @@ def failure_cause(message: str, rank: int | None, stall: dict[str, Any] | None) 
     if stall is not None and message.startswith("StallError"):
         return {"message": message, "rank": stall["missing"][0], "kind": "stall", "missing": stall["missing"],
                 "reporter": stall["reporter"]}
-    if rank is None:
+    if message.startswith("stopped by"):
+        kind = "stopped"
+    elif rank is None:
         kind = "launch"
     elif "killed by signal" in message:
         kind = "killed"

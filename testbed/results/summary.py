@@ -18,9 +18,16 @@ from testbed.results.step_log import metrics_path, read_step_log
 from testbed.results.workload import workload_throughput
 from testbed.timing import PHASES, compute_time, fill_wait, percentile
 
+# Not part of what a run is: how a sweep was resumed, and where its launcher put the servers.
+UNHASHED, UNHASHED_SYNC = ("sweep_resume", "resume"), ("addresses",)
+
 
 def config_hash(cfg: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
+    """The experiment a config describes: equal for a rerun of it, whatever its servers' ports."""
+    what = {k: v for k, v in cfg.items() if k not in UNHASHED}
+    if isinstance(what.get("sync"), dict):
+        what["sync"] = {k: v for k, v in what["sync"].items() if k not in UNHASHED_SYNC}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def versions() -> dict[str, str]:
