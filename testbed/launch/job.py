@@ -23,7 +23,7 @@ from testbed.rank_failure import lost_peer, root_cause
 from testbed.results.summary import failed_summary, summarize, write_summary
 from testbed.results.table import format_table, summary_row
 from testbed.stall import read_stall
-from testbed.sweeps import excluded, finished
+from testbed.sweeps import excluded, finished, resumable, set_aside
 from testbed.sync import SYNCHRONIZERS, run_label
 from testbed.world import DEBUG_ENV
 
@@ -40,10 +40,15 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
         log.info("skipped: the sweep excludes %s (sweep_exclude)", ",".join(skipped))
         return None
     if multirun and cfg.get("sweep_resume"):
-        done = finished(job_dir, config.to_plain(cfg))
+        plain = config.to_plain(cfg)
+        done = finished(job_dir, plain)
         if done is not None:
             log.info("done already: %s is ok with this config (sweep_resume)", job_dir)
             return done
+        earlier = set_aside(job_dir)
+        if earlier is not None and resumable(earlier, plain):
+            cfg.resume = str(earlier)
+            log.info("resuming %s from its earlier attempt's checkpoint (sweep_resume)", job_dir)
     try:
         joined = surrounding_world()
         if joined is not None:

@@ -18,6 +18,7 @@ from testbed.results.step_log import metrics_path, read_step_log
 from testbed.results.workload import workload_throughput
 from testbed.timing import PHASES, compute_time, fill_wait, percentile
 
+ATTEMPTS = "attempts"  # a job directory's earlier attempts (testbed.sweeps): not jobs of their own
 # Not part of what a run is: how a sweep was resumed, and where its launcher put the servers.
 UNHASHED, UNHASHED_SYNC = ("sweep_resume", "resume"), ("addresses",)
 
@@ -208,6 +209,8 @@ def load_summaries(roots: list[Path]) -> list[dict[str, Any]]:
         if not root.is_dir():
             raise FileNotFoundError(f"{root}: no such directory")
         for path in sorted(root.rglob("summary.json")):
+            if ATTEMPTS in path.relative_to(root).parts[:-1]:
+                continue
             summary = json.loads(path.read_text())
             summary["job_dir"] = str(path.parent)
             summaries.append(summary)
