@@ -73,9 +73,10 @@ def workdir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def servers(tmp_path: Path, mode: str, workers: int, staleness: int = 2) -> LocalServers:
+def servers(tmp_path: Path, mode: str, workers: int, staleness: int = 2, stream_timeout_s: float | None = None) -> LocalServers:
     """One local shard process (not started: use as a context manager)."""
-    cfg = {"servers": 1, "mode": mode, "staleness": staleness, "chunk_kb": 1, "host": "127.0.0.1"}
+    cfg = {"servers": 1, "mode": mode, "staleness": staleness, "chunk_kb": 1, "host": "127.0.0.1",
+           "stream_timeout_s": stream_timeout_s}
     return LocalServers(cfg, SGD, workers, tmp_path / "logs")
 
 

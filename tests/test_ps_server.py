@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -155,3 +155,53 @@ def test_errors_name_the_shard_and_the_status(tmp_path: Path) -> None:
     with pytest.raises(PsError, match=rf"ps shard 0 at {address}: Stats: (UNAVAILABLE|DEADLINE_EXCEEDED)"):
         dead.stats()
     dead.close()
+
+
+def test_a_stalled_stream_is_cancelled_and_holds_up_no_one(tmp_path: Path) -> None:
+    """A client sends one chunk of InitParams and then nothing: the shard answers every other call
+    meanwhile, refuses a second InitParams, and cancels the stalled one after its stream timeout;
+    then two workers run 20 steps while a third worker's push stalls the same way."""
+    initial = torch.zeros(NUMEL)
+    with servers(tmp_path, "async", workers=3, stream_timeout_s=1.0) as ps:
+        workers = [client(ps, w) for w in range(3)]
+        workers[0].register(wait_s=20)
+        stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(ps.addresses[0], options=CHANNEL_OPTIONS))
+        auth = auth_metadata(ps.token)
+
+        finished = threading.Event()
+
+        def stalled(first: pb.TensorChunk) -> Iterator[pb.TensorChunk]:
+            yield first
+            finished.wait(timeout=30)  # longer than anyone waits: only the server's cancel ends the call
+
+        def stall(call, first: pb.TensorChunk) -> Callable[[], tuple[grpc.StatusCode, float]]:
+            def run() -> tuple[grpc.StatusCode, float]:
+                start = time.monotonic()
+                return code_of(lambda: call(stalled(first), timeout=60, metadata=auth)), time.monotonic() - start
+            result: list[tuple[grpc.StatusCode, float]] = []
+            thread = threading.Thread(target=lambda: result.append(run()), daemon=True)
+            thread.start()
+            return lambda: (thread.join(timeout=20), result[0])[1]
+
+        init_stall = stall(stub.InitParams, next(chunks(initial, 0, 0, NUMEL, CHUNK_BYTES)))
+        time.sleep(0.3)
+        began = time.monotonic()
+        assert workers[1].stats()[0].version == 0 and time.monotonic() - began < 0.5  # answered at once
+        with pytest.raises(PsError, match="being initialised"):
+            workers[0].init_params([initial.clone()])
+        code, took = init_stall()
+        assert code == grpc.StatusCode.CANCELLED and took < 5, (code, took)
+        workers[0].init_params([initial.clone()])  # the stalled attempt left nothing behind
+
+        push_stall = stall(stub.Push, next(chunks(torch.ones(NUMEL), 0, 2, 0, CHUNK_BYTES)))
+        params = torch.empty(NUMEL)
+        for step in range(20):
+            for w in workers[:2]:
+                versions = w.pull([params], clock=step).versions
+                w.push([torch.ones(NUMEL)], versions)
+        assert workers[0].stats()[0].pushes == 40
+        assert push_stall()[0] == grpc.StatusCode.CANCELLED
+        workers[2].push([torch.ones(NUMEL)], [40])  # its own push, once the stalled one is gone
+        finished.set()
+        for w in workers:
+            w.close()

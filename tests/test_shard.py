@@ -4,6 +4,7 @@ servicer passes them, and exact arithmetic out (integer-valued floats, SGD with 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
@@ -119,6 +120,36 @@ def test_bad_init_is_refused_and_leaves_the_shard_empty(case: str) -> None:
     assert shard.params is None and shard.stats_reply().bytes_in == 0
     shard.init_params(iter(GOOD_INIT))  # the shard can still be initialised
     assert torch.equal(pull(shard, 0, clock=0)[0], INITIAL)
+
+
+def test_a_stalled_init_stream_holds_up_no_other_call() -> None:
+    shard = Shard(0, 1, "sync", 0, SgdConfig(lr=LR, momentum=0.0), chunk_bytes=4 * CHUNK)
+    release = threading.Event()
+
+    def stalled() -> Iterator[Chunk]:  # one chunk, then nothing until the stream is given up
+        yield GOOD_INIT[0]
+        release.wait(timeout=10)
+        raise grpc.RpcError("stream cancelled")
+
+    holder = in_thread(lambda: _raises(shard, stalled()))
+    deadline = time.monotonic() + 5
+    while not shard.initialising and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # Meanwhile every other call is answered at once.
+    assert shard.register(0).numel == 0 and shard.stats_reply().version == 0
+    assert refusal(lambda: shard.init_params(iter(GOOD_INIT))) == (PRECONDITION, "shard 0 is being initialised")
+    release.set()
+    assert holder() == "RpcError"
+    shard.init_params(iter(GOOD_INIT))  # the stalled attempt left nothing behind
+    assert torch.equal(pull(shard, 0, clock=0)[0], INITIAL)
+
+
+def _raises(shard: Shard, stream: Iterator[Chunk]) -> str:
+    try:
+        shard.init_params(stream)
+    except Exception as exc:
+        return type(exc).__name__
+    return "returned"
 
 
 GOOD_PUSH = chunks(torch.full((NUMEL,), 4.0), worker=1, step=0)

@@ -85,6 +85,8 @@ class LocalServers:
                 cmd += ["--checkpoint-dir", str(self.checkpoint[0]), "--checkpoint-every", str(self.checkpoint[1])]
             if self.restore:
                 cmd += ["--restore", str(self.restore / f"ps{shard}.pt")]
+            if self.sync_cfg.get("stream_timeout_s"):
+                cmd += ["--stream-timeout-s", str(self.sync_cfg["stream_timeout_s"])]
             if self.sync_cfg.get("sums_only"):
                 cmd.append("--sums-only")
             if self.compress:

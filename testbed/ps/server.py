@@ -78,6 +78,8 @@ log = logging.getLogger("testbed.ps.server")
 # An optimizer per block of partitions of this size: small enough that a pull's first chunks wait
 # little for the update, large enough that the optimizer's per-call cost stays small.
 UPDATE_BYTES = 8 << 20
+# The longest a streamed request (InitParams, Push) may take, whatever the client's deadline.
+STREAM_TIMEOUT_S = 600.0
 
 
 class Refused(Exception):
@@ -113,6 +115,7 @@ class Shard:
         self.pull_cache: tuple[int, torch.Tensor] | None = None
         self.cond = threading.Condition()
         self.params: torch.nn.Parameter | None = None
+        self.initialising = False  # an InitParams stream is being received
         self.version = 0
         self.clocks = [0] * workers
         self.pending: set[int] = set()  # sync: workers whose push for the current step is staged
@@ -138,12 +141,16 @@ class Shard:
     # --- initialisation -----------------------------------------------------------------------
 
     def init_params(self, stream: Iterator[Chunk]) -> pb.ShardInfo:
+        """The shard's size and first values, streamed outside the lock: a stream that stalls holds
+        up nobody (other calls go on, a second InitParams is refused meanwhile)."""
         first = next(stream, None)
         if first is None:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "InitParams: empty stream")
         with self.cond:
             if self.params is not None:
                 raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"shard {self.shard} is already initialised")
+            if self.initialising:
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"shard {self.shard} is being initialised")
             if first.dtype not in FROM_WIRE or first.step == 0:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "InitParams: need a dtype and the shard size in step")
             numel, dtype = int(first.step), FROM_WIRE[first.dtype]
@@ -151,11 +158,17 @@ class Shard:
                 values = torch.empty(numel, dtype=dtype)
             except (RuntimeError, MemoryError):
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"InitParams: cannot hold {numel} elements of {dtype}") from None
+            self.initialising = True
+        try:
             self._receive("InitParams", first, stream, numel, dtype, worker_bound=1, same=("step",),
                           changed="every chunk must carry the same size",
                           take=lambda chunk: copy_in(values, chunk.offset, chunk.data))
-            self._hold(values)
-            self.stats["bytes_in"] += numel * values.element_size()
+            with self.cond:
+                self._hold(values)
+                self.stats["bytes_in"] += numel * values.element_size()
+        finally:
+            with self.cond:
+                self.initialising = False
         return self.info()
 
     def _receive(self, rpc: str, first: Chunk, rest: Iterator[Chunk], numel: int, dtype: torch.dtype, worker_bound: int,
@@ -629,10 +642,12 @@ def _chain(first: Chunk, rest: Iterator[Chunk]) -> Iterator[Chunk]:
 
 
 class Servicer(pb_grpc.ParameterServerServicer):
-    """gRPC handlers: translate Refused into status codes, count refusals."""
+    """gRPC handlers: translate Refused into status codes, count refusals, and cancel a streamed
+    request that outlasts ``stream_timeout_s`` (or the client's own deadline, when sooner), so that
+    a client that stops sending mid-stream holds nothing past it."""
 
-    def __init__(self, shard: Shard, stop: Callable[[], None]) -> None:
-        self.shard, self._stop = shard, stop
+    def __init__(self, shard: Shard, stop: Callable[[], None], stream_timeout_s: float = STREAM_TIMEOUT_S) -> None:
+        self.shard, self._stop, self.stream_timeout_s = shard, stop, stream_timeout_s
 
     def _guard(self, context: grpc.ServicerContext, call: Callable[[], Any]) -> Any:
         try:
@@ -645,11 +660,20 @@ class Servicer(pb_grpc.ParameterServerServicer):
     def Register(self, request, context):  # noqa: N802 (gRPC method names)
         return self._guard(context, lambda: self.shard.register(_parsed(request).worker))
 
+    def _bounded(self, context: grpc.ServicerContext, call: Callable[[], Any]) -> Any:
+        timer = threading.Timer(self.stream_timeout_s, context.cancel)  # the stream's next chunk then raises
+        timer.daemon = True
+        timer.start()
+        try:
+            return self._guard(context, call)
+        finally:
+            timer.cancel()
+
     def InitParams(self, request_iterator, context):  # noqa: N802
-        return self._guard(context, lambda: self.shard.init_params(request_iterator))
+        return self._bounded(context, lambda: self.shard.init_params(request_iterator))
 
     def Push(self, request_iterator, context):  # noqa: N802
-        return self._guard(context, lambda: self.shard.push(request_iterator))
+        return self._bounded(context, lambda: self.shard.push(request_iterator))
 
     def Pull(self, request, context):  # noqa: N802
         try:
@@ -767,7 +791,7 @@ def serve(args: argparse.Namespace) -> None:
         server.stop(grace=2.0).wait()
         stopped.set()
 
-    add_servicer(Servicer(shard, stop), server)
+    add_servicer(Servicer(shard, stop, args.stream_timeout_s), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if args.tls_cert:  # the certificate the workers verify against their certificate authority
         key, cert = Path(args.tls_key).read_bytes(), Path(args.tls_cert).read_bytes()
@@ -802,6 +826,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chunk-kb", type=int, default=CHUNK_KB, help="pull chunk size")
     parser.add_argument("--compress", default="", help="the workers' codec config as JSON (testbed.compress); pushes carry its payloads")
     parser.add_argument("--seed", type=int, default=0, help="the run's seed (draws a codec shares with the workers)")
+    parser.add_argument("--stream-timeout-s", type=float, default=STREAM_TIMEOUT_S,
+                        help="cancel an InitParams or Push stream that takes longer (a client that stalled mid-stream)")
     parser.add_argument("--sums-only", action="store_true",
                         help="sync mode: serve the mean of each step's pushes, with no optimizer (BytePS's summation service)")
     parser.add_argument("--tls-cert", default="", help="serve TLS with this PEM certificate (and --tls-key)")
