@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -210,5 +212,70 @@ def test_a_stalled_stream_is_cancelled_and_holds_up_no_one(tmp_path: Path) -> No
         assert push_stall()[0] == grpc.StatusCode.CANCELLED
         workers[2].push([torch.ones(NUMEL)], [40])  # its own push, once the stalled one is gone
         finished.set()
+        for w in workers:
+            w.close()
+
+
+FLOOD = """
+import collections, sys, threading, grpc
+from testbed.ps import parameter_server_pb2 as pb, parameter_server_pb2_grpc as pb_grpc
+stub = pb_grpc.ParameterServerStub(grpc.insecure_channel(sys.argv[1]))
+codes = collections.Counter()
+def flood():
+    for _ in range(500):
+        try:
+            stub.Register(pb.RegisterRequest(worker=0), timeout=10)
+            codes["OK"] += 1
+        except grpc.RpcError as err:
+            codes[err.code().name] += 1
+threads = [threading.Thread(target=flood) for _ in range(4)]
+for t in threads: t.start()
+for t in threads: t.join()
+print(" ".join(f"{k}={v}" for k, v in sorted(codes.items())))
+"""
+
+
+def _rss_kb(pid: int) -> int:
+    return int(next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                    if line.startswith("VmRSS:")))
+
+
+def _train(workers: list[PsClient], steps: int, start: int = 0) -> float:
+    """``steps`` synchronous steps of every worker (one thread each); seconds taken."""
+    def run(w: PsClient) -> None:
+        params = torch.empty(NUMEL)
+        for step in range(start, start + steps):
+            versions = w.pull([params], clock=step).versions
+            w.push([torch.ones(NUMEL)], versions)
+
+    began = time.monotonic()
+    threads = [threading.Thread(target=run, args=(w,)) for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads)
+    return time.monotonic() - began
+
+
+@pytest.mark.serial  # times a run against itself under a flood
+def test_memory_stays_flat_and_an_unauthenticated_flood_is_refused_cheaply(tmp_path: Path) -> None:
+    with servers(tmp_path, "sync", workers=2) as ps:
+        workers = [client(ps, 0), client(ps, 1)]
+        workers[0].register(wait_s=20)
+        workers[0].init_params([torch.zeros(NUMEL)])
+        pid = ps.procs[0].pid
+        _train(workers, 200)
+        after_200 = _rss_kb(pid)
+        undisturbed = _train(workers, 1800, start=200)
+        after_2000 = _rss_kb(pid)
+        assert after_2000 <= 1.10 * after_200, (after_200, after_2000)  # nothing kept per step
+        # 2,000 calls without the token from another process's four threads, during the same run again.
+        flooder = subprocess.Popen([sys.executable, "-c", FLOOD, ps.addresses[0]], stdout=subprocess.PIPE, text=True)
+        flooded = _train(workers, 1800, start=2000)
+        assert flooder.wait(timeout=60) == 0 and flooder.stdout.read().split() == ["UNAUTHENTICATED=2000"]
+        assert flooded <= 1.5 * undisturbed, (flooded, undisturbed)
+        stats = workers[0].stats()[0]
+        assert stats.version == 3800 and stats.rejected == 0  # refused before the service counts them
         for w in workers:
             w.close()
