@@ -124,3 +124,39 @@ def test_debug_turns_on_torch_distributed_diagnostics(tmp_path: Path) -> None:
 def test_bad_fault_configs_fail_before_anything_starts(tmp_path: Path, overrides: list[str], message: str) -> None:
     proc = run_cli(overrides, cwd=tmp_path)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_chaos_sweep_ends_every_job_as_its_fault_says(tmp_path: Path) -> None:
+    """Every fault at the step each seed draws, one sweep (+experiment=chaos; the link outage too
+    where emulated links can be built): each job's status and error as its fault says, the sweep
+    going on past each failure, nothing left behind by any job."""
+    sweep = tmp_path / "chaos"
+    root = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
+    extra = ["network=emulated", "fault=none,kill_rank,kill_ps,nan_loss,link_down"] if root else []
+    proc = run_cli(["+experiment=chaos", *extra, f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    jobs = [d for d in sweep.iterdir() if (d / "summary.json").exists()]
+    assert len(jobs) == (15 if root else 12)
+    seen = set()
+    for job in jobs:
+        summary = read_json(job / "summary.json")
+        fault, seed, error = summary["config"]["fault"], summary["config"]["seed"], summary["error"]
+        step = fault_step(OmegaConf.create(fault), seed, summary["config"]["steps"])
+        seen.add((fault["name"], step))
+        expected = {  # (kind, rank, step) of the error each fault must leave
+            "none": None,
+            "kill_rank": ("killed", 1, step),
+            "nan_loss": ("nonfinite_loss", 0, None if step is None else step + 1),  # its NaN step recorded
+            "kill_ps": ("parameter_server", 0, step),
+            "link_down": ("stall", 1, step),
+        }[fault["name"]]
+        if expected is None:
+            assert summary["status"] == "ok" and error is None, job.name
+        else:
+            kind, rank, at = expected
+            assert summary["status"] == "failed" and (error["kind"], error["rank"]) == (kind, rank), (job.name, error)
+            # steps every rank completed: a peer may still be finishing the step before when the fault strikes
+            assert error["step"] in (at - 1, at), (job.name, error)
+        assert_nothing_left(job)
+    assert len({step for name, step in seen if name != "none"}) == 3  # three different steps drawn
+    assert "Comparison (" in proc.stdout
