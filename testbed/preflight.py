@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import shutil
+import tempfile
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -52,11 +54,37 @@ def _configured_sweep(overrides: list[str]) -> list[str]:
     return [f"{key}={value}" for key, value in params.items() if key.lstrip("+~") not in given]
 
 
+MIN_FREE_MB = 100  # below this on the results' file system, a run would fail part-way
+
+
+def check_output_dirs(argv: list[str]) -> None:
+    """Refuse a results directory (``hydra.run.dir``, ``hydra.sweep.dir``, else the working
+    directory Hydra writes under) that cannot be written or whose file system is nearly full."""
+    given = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv if a.startswith(("hydra.run.dir=", "hydra.sweep.dir="))}
+    for key, target in given.items() or [("the working directory", ".")]:
+        where = Path(target).absolute()
+        existing = next(p for p in (where, *where.parents) if p.exists())
+        name = f"{key}={target}" if key.startswith("hydra.") else key
+        try:
+            if not existing.is_dir():
+                raise NotADirectoryError(f"{existing} is not a directory")
+            with tempfile.TemporaryFile(dir=existing):
+                pass
+        except OSError as exc:
+            raise ConfigError(f"{name}: results cannot be written under {existing} ({exc.strerror or exc}); "
+                              "choose a writable directory") from None
+        free = shutil.disk_usage(existing).free / 2**20
+        if free < MIN_FREE_MB:
+            raise ConfigError(f"{name}: {free:.0f} MB free on the file system of {existing}, under {MIN_FREE_MB} MB; "
+                              "free some space or choose another directory")
+
+
 def check_command_line(argv: list[str]) -> int:
     """Raise ConfigError for the first job of ``argv`` that cannot run; return how many jobs it has
     (0 when it cannot tell)."""
     if any(a.split("=")[0] in _SKIP_FLAGS for a in argv):
         return 0
+    check_output_dirs(argv)
     overrides = [a for a in argv if not a.startswith("-") and not a.lstrip("+~").startswith("hydra")]
     joined = surrounding_world()
     local = joined[3] if joined else None  # ranks on this machine; the rest run elsewhere

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -181,3 +184,22 @@ def test_long_override_lists_give_short_unique_job_directories() -> None:
     cut = config.short_dirname(long)
     assert len(cut.encode()) <= 200 and cut.startswith("model.key0=value0,")
     assert cut != config.short_dirname(long.replace("value19", "value20"))  # the hash keeps them apart
+
+
+def test_a_results_directory_that_cannot_hold_results_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    proc = run_cli(["hydra.run.dir=/proc/testbed-results"], cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "config error: hydra.run.dir=/proc/testbed-results: results cannot be written under /proc "
+        "(No such file or directory); choose a writable directory"]
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return
+    tiny = tmp_path / "tiny"  # a file system of 1 MB: as good as full
+    tiny.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(tiny)], capture_output=True).returncode:
+        return
+    try:
+        proc = run_cli(["-m", "world_size=1,2", f"hydra.sweep.dir={tiny / 'sweep'}"], cwd=tmp_path, timeout=120)
+        assert proc.returncode == 2 and f"hydra.sweep.dir={tiny / 'sweep'}: 1 MB free on the file system" in proc.stderr
+        assert not (tiny / "sweep").exists()
+    finally:
+        subprocess.run(["umount", str(tiny)], check=True)
