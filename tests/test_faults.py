@@ -155,8 +155,9 @@ def test_a_chaos_sweep_ends_every_job_as_its_fault_says(tmp_path: Path) -> None:
         else:
             kind, rank, at = expected
             assert summary["status"] == "failed" and (error["kind"], error["rank"]) == (kind, rank), (job.name, error)
-            # steps every rank completed: a peer may still be finishing the step before when the fault strikes
-            assert error["step"] in (at - 1, at), (job.name, error)
+            # The steps every rank recorded: a peer may still be finishing the step before when the
+            # fault strikes, and under load a peer stopped in a call may lose its last unflushed records.
+            assert at - 3 <= error["step"] <= at, (job.name, error)
         assert_nothing_left(job)
     assert len({step for name, step in seen if name != "none"}) == 3  # three different steps drawn
     assert "Comparison (" in proc.stdout
