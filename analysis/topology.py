@@ -20,6 +20,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from analysis.figures import _save  # noqa: E402
+from testbed.netem import parse_rate  # noqa: E402
 from testbed.results.format import markdown_table  # noqa: E402
 
 
@@ -56,7 +57,7 @@ def table(summaries: list[dict[str, Any]]) -> pd.DataFrame:
 
 
 def _figure(frame: pd.DataFrame, out: Path) -> list[Path]:
-    links = sorted(frame["link"].unique(), key=lambda link: -len(frame[frame["link"] == link]))
+    links = sorted(frame["link"].unique(), key=parse_rate, reverse=True)
     syncs = sorted(frame["sync"].unique())
     fig, axes = plt.subplots(2, len(links), figsize=(4.6 * len(links), 6.4), squeeze=False)
     for col, link in enumerate(links):

@@ -37,6 +37,15 @@ INTER: dict[str, Callable[[torch.Tensor, Group], Traffic]] = {
 }
 
 
+def node_size(given: int | None, world_size: int, local_world_size: int, what: str) -> int:
+    """The ranks of a node: ``given`` (sync.ranks_per_node), else this machine's; they must divide
+    the world (``what`` names the synchronizer in the refusal)."""
+    per_node = int(given or local_world_size)
+    if world_size % per_node:
+        raise SystemExit(f"{what}: {per_node} ranks per node do not divide world_size={world_size}")
+    return per_node
+
+
 def node_groups(world_size: int, per_node: int) -> tuple[list[list[int]], list[list[int]]]:
     """(the ranks of each node, the ranks of each local rank across nodes)."""
     nodes = [list(range(k * per_node, (k + 1) * per_node)) for k in range(world_size // per_node)]

@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from testbed.faults import PS_PIDS_ENV
 from testbed.ps.wire import TOKEN_ENV, open_channel, tls_of
 
 
@@ -103,6 +104,10 @@ class LocalServers:
             return
         for shard, address in enumerate(self.addresses):
             wait_healthy(address, max(1.0, deadline - time.monotonic()), f"ps shard {shard}", tls_of(self.sync_cfg)[2])
+
+    def rank_env(self) -> dict[str, str]:
+        """What the ranks inherit: the token (kept out of the config) and, for fault=kill_ps, the pids."""
+        return {TOKEN_ENV: self.token, PS_PIDS_ENV: json.dumps([proc.pid for proc in self.procs])}
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Terminate every shard (SIGTERM, then SIGKILL after ``grace_s``) and reap it."""

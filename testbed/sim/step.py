@@ -332,11 +332,10 @@ def predict(cfg: Any) -> Prediction:
     cost = costing.cost(cfg)
     encode = decode = None
     intra = _intra_link(cfg, costing, coded) if _nodes(cfg) else None
+    two_level = costing.two_level(cfg) if intra is not None and costing.two_level is not None else None
 
     def cost_s(nbytes: float) -> float:
-        if intra is not None and costing.two_level is not None:
-            return costing.two_level(cfg)(nbytes, intra, link)
-        return cost(nbytes).time(link)
+        return two_level(nbytes, intra, link) if two_level is not None else cost(nbytes).time(link)
 
     if intra is not None:
         facts.update(nodes=_nodes(cfg), intra_link=asdict(intra))

@@ -19,7 +19,6 @@ each partition back once every worker has pushed it: push and pull share the lin
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -33,9 +32,8 @@ from torch import nn
 
 from testbed.checks import require, resolved_device
 from testbed.collectives.common import chunk_bounds
-from testbed.collectives.hierarchical import node_groups
+from testbed.collectives.hierarchical import node_groups, node_size
 from testbed.collectives.ring import ring_allgather_chunks_, ring_reduce_scatter_
-from testbed.faults import PS_PIDS_ENV
 from testbed.ps.modes import MAX_CHUNK_KB
 from testbed.sim.costs import ZERO, Cost, Link, parameter_server, ring
 from testbed.sync.base import Synchronizer, SyncReport, flat_views
@@ -103,9 +101,7 @@ class BytePsSync(Synchronizer):
         from testbed.ps.wire import token_from_env
 
         super().setup(model, optimizer, world)
-        per_node = int(self.cfg.get("ranks_per_node") or world.local_world_size)
-        if world.world_size % per_node:
-            raise SystemExit(f"sync=byteps: {per_node} ranks per node do not divide world_size={world.world_size}")
+        per_node = node_size(self.cfg.get("ranks_per_node"), world.world_size, world.local_world_size, "sync=byteps")
         nodes = world.world_size // per_node
         self.layout = Layout(nodes, per_node, int(self.cfg.servers) or nodes)
         node, local = divmod(world.rank, per_node)
@@ -188,14 +184,13 @@ def _start_servers(
     from omegaconf import OmegaConf
 
     from testbed.ps.launch import LocalServers
-    from testbed.ps.wire import TOKEN_ENV
 
     lay = layout(OmegaConf.create(plain))
     shards = {"servers": lay.shards, "host": plain["sync"]["host"], "mode": "sync", "staleness": 0,
               "chunk_kb": plain["sync"]["partition_kb"], "sums_only": True}
     with LocalServers(shards, plain["optim"], lay.nodes, log_dir, hosts) as ps:
         plain["sync"]["addresses"] = ps.addresses
-        yield {TOKEN_ENV: ps.token, PS_PIDS_ENV: json.dumps([proc.pid for proc in ps.procs])}
+        yield ps.rank_env()
 
 
 def _partitions(cfg: Any, lay: Layout, s: float) -> int:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from testbed.checks import require
-from testbed.collectives.hierarchical import INTER, hierarchical_allreduce_, node_groups
+from testbed.collectives.hierarchical import INTER, hierarchical_allreduce_, node_groups, node_size
 from testbed.sim.costs import Cost, Link, halving_doubling, ring, shared
 from testbed.sync.flat import FlatGradSynchronizer
 from testbed.sync.spec import BucketedSyncConfig, SimModel, SyncSpec, ranks_per_node, require_gloo_cpu
@@ -35,10 +35,8 @@ class HierarchicalSyncConfig(BucketedSyncConfig):
 class HierarchicalAllReduce(FlatGradSynchronizer):
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> None:
         super().setup(model, optimizer, world)
-        per_node = int(self.cfg.get("ranks_per_node") or world.local_world_size)
-        if world.world_size % per_node:
-            raise SystemExit(f"sync=hierarchical: {per_node} ranks per node do not divide world_size={world.world_size}")
-        self.per_node = per_node
+        self.per_node = per_node = node_size(self.cfg.get("ranks_per_node"), world.world_size, world.local_world_size,
+                                             "sync=hierarchical")
         nodes, across = node_groups(world.world_size, per_node)
         # Every rank creates every group, in the same order (torch.distributed's rule).
         self.intra = self._mine([dist.new_group(ranks) for ranks in nodes], nodes)

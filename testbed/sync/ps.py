@@ -11,7 +11,6 @@ and apply them exactly as without overlap.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,7 +27,6 @@ from testbed.checks import require, resolved_device
 from testbed.collectives.common import chunk_bounds
 from testbed.compress import build_codec
 from testbed.compress.codec import PayloadCodec, codec_facts, residual_norm
-from testbed.faults import PS_PIDS_ENV
 from testbed.ps.modes import CHUNK_KB, MAX_CHUNK_KB, MODES, STALENESS
 from testbed.sim.costs import Cost, parameter_server
 from testbed.sync.base import GradReadiness, Synchronizer, SyncReport, flat_views
@@ -240,13 +238,11 @@ def _start_servers(
     saving: tuple[Path, int] | None, restore: Path | None,
 ) -> Iterator[dict[str, str]]:
     from testbed.ps.launch import LocalServers
-    from testbed.ps.wire import TOKEN_ENV
 
     with LocalServers(plain["sync"], plain["optim"], world_size, log_dir, hosts, saving, restore, plain.get("compress"),
                       int(plain.get("seed", 0))) as ps:
         plain["sync"]["addresses"] = ps.addresses
-        # The token is inherited by the ranks and kept out of the config; the pids serve fault=kill_ps.
-        yield {TOKEN_ENV: ps.token, PS_PIDS_ENV: json.dumps([proc.pid for proc in ps.procs])}
+        yield ps.rank_env()
 
 
 def _cost(cfg: Any) -> Callable[[float], Cost]:
