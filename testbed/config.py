@@ -271,6 +271,9 @@ class LocalLauncherConfig:
     # Rank stdout/stderr go to <job dir>/logs; rank 0 is also echoed to the console.
     echo_rank0: bool = True
     monitor_interval_s: float = 0.1
+    # After a failure, start the world again (ranks, parameter servers, emulated network) this many
+    # times, from the job's latest checkpoint (from the start without one): testbed.launch.job.
+    max_restarts: int = 0
 
 
 WANDB_MODES = ("disabled", "offline", "online")
@@ -670,6 +673,9 @@ def _validate_checkpoint(cfg: DictConfig) -> None:
 
     require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0 (0: no checkpoints)")
     require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
+    restarts = cfg.launcher.get("max_restarts", 0)
+    require(isinstance(restarts, int) and restarts >= 0,
+            f"launcher.max_restarts={restarts}: must be an integer >= 0 (0: a failed run stays failed)")
     if not cfg.resume:
         return
     resumed = Path(cfg.resume)

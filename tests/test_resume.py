@@ -39,6 +39,34 @@ def test_a_resumed_run_ends_bitwise_equal_to_an_uninterrupted_one(tmp_path: Path
         assert [r["loss"] for r in records] == [r["loss"] for r in read_jsonl(tmp_path / "whole" / "metrics" / f"rank{rank}.jsonl")]
 
 
+@pytest.mark.parametrize("sync", ["allreduce", "ring", "ps"])
+def test_a_restarted_run_ends_ok_and_bitwise_equal_to_an_uninterrupted_one(tmp_path: Path, sync: str) -> None:
+    # The parameter server's shards are started again too, from their own part of the checkpoint.
+    setting = [f"sync={sync}", "optim.momentum=0.9", *(["sync.servers=2"] if sync == "ps" else [])]
+    whole = read_json(run(tmp_path, "whole", setting) / "summary.json")
+    job = run(tmp_path, "restarted", [*setting, "checkpoint.every=4", "fault=kill_rank", "fault.step=9",
+                                      "launcher.max_restarts=2"])  # fmt: skip
+    summary = read_json(job / "summary.json")
+    assert summary["status"] == "ok" and summary["restarts"] == 1 and summary["steps"] == 12
+    assert summary["param_hash"] == whole["param_hash"]  # restarted after step 7, bitwise as if never killed
+    (failure,) = summary["attempts"]
+    assert failure["error"]["kind"] == "killed" and failure["error"]["rank"] == 1 and failure["resumed_from_step"] == 7
+    assert 0 < failure["restart_s"] < 60
+    assert read_json(job / "attempts" / "0" / "summary.json")["status"] == "failed"  # each attempt's failure kept
+    for rank in (0, 1):
+        records = read_jsonl(job / "metrics" / f"rank{rank}.jsonl")
+        assert [r["step"] for r in records] == list(range(12))
+        assert [r["loss"] for r in records] == [r["loss"] for r in read_jsonl(tmp_path / "whole" / "metrics" / f"rank{rank}.jsonl")]
+
+
+def test_a_nonfinite_loss_is_not_restarted(tmp_path: Path) -> None:
+    # From the same checkpoint the same steps diverge again, bitwise: a restart would only repeat them.
+    job = run(tmp_path, "job", ["fault=nan_loss", "fault.step=3", "launcher.max_restarts=2"], expect=1)
+    summary = read_json(job / "summary.json")
+    assert summary["error"]["kind"] == "nonfinite_loss" and summary["restarts"] == 0 and summary["attempts"] == []
+    assert not (job / "attempts").exists()
+
+
 def test_checkpoints_keep_the_newest(tmp_path: Path) -> None:
     job = run(tmp_path, "job", ["checkpoint.every=2", "checkpoint.keep=2"])
     kept = sorted(p.name for p in (job / "checkpoints").glob("step*"))
@@ -54,6 +82,7 @@ def test_checkpoints_keep_the_newest(tmp_path: Path) -> None:
         (["resume={empty}"], "no complete checkpoint there"),
         (["sync=ps_async", "checkpoint.every=2"], "checkpoint/resume with sync=ps: the servers save"),
         (["checkpoint.keep=0"], "checkpoint.keep=0: must be >= 1"),
+        (["launcher.max_restarts=-1"], "launcher.max_restarts=-1: must be an integer >= 0"),
     ],
 )
 def test_bad_resume_configs_fail_before_anything_starts(tmp_path: Path, overrides: list[str], message: str) -> None:

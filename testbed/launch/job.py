@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -16,11 +17,12 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from testbed import checkpoint, config
 from testbed.launch.existing import in_submitit_job, surrounding_world
-from testbed.launch.rank import rank_main
+from testbed.launch.rank import ATTEMPT_ENV, rank_main
 from testbed.launch.spawn import RankFailure, spawn_world
 from testbed.netem import EmulatedNetwork, machines_of
 from testbed.rank_failure import lost_peer, root_cause
-from testbed.results.summary import failed_summary, summarize, write_summary
+from testbed.results.step_log import read_step_log
+from testbed.results.summary import ATTEMPTS, failed_summary, summarize, write_summary
 from testbed.results.table import format_table, summary_row
 from testbed.stall import read_stall
 from testbed.sweeps import excluded, finished, resumable, set_aside
@@ -79,14 +81,73 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
     return summary
 
 
+# Failures a restart cannot mend: a NaN recurs bitwise from the same checkpoint, and a stop is an order.
+NOT_RESTARTED = ("nonfinite_loss", "stopped", "config")
+
+
 def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path, identity: dict[str, Any]) -> dict[str, Any]:
+    """Run the job's world; after a failure, up to ``launcher.max_restarts`` times again from its
+    latest checkpoint. Each restart is a new launch (rendezvous, servers, network), not torchelastic's
+    in-agent restart: the agent's rendezvous store is shared across its rounds without a per-round
+    prefix (torch 2.13), so a restarted world reads the failed one's Gloo addresses and hangs
+    connecting to them (pytorch/pytorch#135712). A failed attempt's files go to ``attempts/<k>``."""
+    failures: list[dict[str, Any]] = []
+    resume = Path(cfg.resume) if cfg.resume else None
+    while True:
+        summary = _attempt(cfg, plain, job_dir, identity, resume, len(failures))
+        kind = (summary.get("error") or {}).get("kind")
+        if summary["status"] == "ok" or kind in NOT_RESTARTED or len(failures) >= cfg.launcher.max_restarts:
+            break
+        earlier = set_aside(job_dir)
+        resume = _restart_point(job_dir, plain) or resume
+        failures.append({"attempt": len(failures), "dir": str(earlier), "error": summary["error"],
+                         "resumed_from_step": checkpoint.checkpoint_step(checkpoint.latest(resume)) if resume else None})
+        log.warning("attempt %d failed (%s); restarting (%d of launcher.max_restarts=%d) from %s", len(failures) - 1,
+                    kind, len(failures), cfg.launcher.max_restarts, f"{resume}'s checkpoint" if resume else "the start")
+    if cfg.launcher.max_restarts:
+        for failure, nxt in zip(failures, [*failures[1:], None]):
+            failure["restart_s"] = _restart_s(failure, Path(nxt["dir"]) if nxt else job_dir)
+        summary["restarts"], summary["attempts"] = len(failures), failures
+        write_summary(job_dir, summary)
+    return summary
+
+
+def _restart_point(job_dir: Path, plain: dict[str, Any]) -> Path | None:
+    """The newest earlier attempt with a checkpoint to continue from (each attempt starts at or after
+    the checkpoint of the one before, so the newest with one has the latest)."""
+    attempts = sorted((job_dir / ATTEMPTS).iterdir(), key=lambda p: int(p.name) if p.name.isdigit() else -1)
+    for earlier in reversed(attempts):
+        found = checkpoint.latest(earlier)
+        if found is not None and checkpoint.checkpoint_step(found) + 1 < plain["steps"]:
+            return earlier
+    return None
+
+
+def _restart_s(failure: dict[str, Any], next_dir: Path) -> float | None:
+    """Seconds from the launcher learning of the failure to the first step the next attempt began."""
+    detected = failure["error"].get("detected_at")
+    starts = []
+    for log_path in (next_dir / "metrics").glob("rank*.jsonl"):
+        resumed = failure["resumed_from_step"]
+        records = [r for r in read_step_log(log_path) if resumed is None or r["step"] > resumed]
+        if records:
+            first = records[0]
+            starts.append(first["t_sync_enter"] - sum(first[k] for k in ("t_data", "t_injected", "t_forward", "t_backward")))
+    return round(min(starts) - detected, 3) if starts and detected else None
+
+
+def _attempt(
+    cfg: DictConfig, plain: dict[str, Any], job_dir: Path, identity: dict[str, Any], resume: Path | None, attempt: int
+) -> dict[str, Any]:
     """Build the emulated network and start the parameter servers when the run needs them, then the
     ranks; take all of it down again, whatever happens."""
+    plain["resume"] = str(resume) if resume else None
     log.info("spawning %d rank(s): sync=%s model=%s data=%s -> %s", cfg.world_size, cfg.sync.name,
              cfg.model.name, cfg.data.name, job_dir)
     spec = SYNCHRONIZERS[cfg.sync.name]
     servers = spec.local_servers(cfg)
     env: dict[str, str] = dict(DEBUG_ENV) if cfg.debug else {}  # C++ logging reads its level at import
+    env[ATTEMPT_ENV] = str(attempt)
     try:
         with ExitStack() as stack:  # exits in reverse: servers stop before their network goes
             network = None
@@ -102,7 +163,7 @@ def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path, identity: dict
                 hosts = [(network.endpoints[f"s{k}"].namespace, network.endpoints[f"s{k}"].address)
                          for k in range(servers)] if network else None
                 saving = (job_dir / checkpoint.DIR, int(cfg.checkpoint.every)) if cfg.checkpoint.every else None
-                restore = checkpoint.latest(Path(cfg.resume)) if cfg.resume else None
+                restore = checkpoint.latest(resume) if resume else None
                 start = spec.servers.start(plain, cfg.world_size, job_dir / "logs", hosts, saving, restore)
                 env.update(stack.enter_context(start))  # writes the servers' addresses into plain["sync"]
                 log.info("sync=%s servers up: %s", cfg.sync.name, ", ".join(plain["sync"]["addresses"]))
@@ -117,7 +178,7 @@ def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path, identity: dict
                 write_summary(job_dir, summary)
             return summary
     except RankFailure as failure:
-        return _record_failure(job_dir, plain, failure.message, failure.rank)
+        return _record_failure(job_dir, plain, failure.message, failure.rank, detected_at=time.time())
     except (SignalException, KeyboardInterrupt) as stop:  # told to stop: keep this job's result, end the sweep
         signum = stop.sigval if isinstance(stop, SignalException) else signal.SIGINT
         _record_failure(job_dir, plain, f"stopped by {signal.Signals(signum).name}", None)
@@ -146,12 +207,16 @@ def _with_overrides(job_dir: Path, summary: dict[str, Any] | None, hydra_cfg: An
     return summary
 
 
-def _record_failure(job_dir: Path, plain: dict[str, Any], message: str, rank: int | None) -> dict[str, Any]:
+def _record_failure(
+    job_dir: Path, plain: dict[str, Any], message: str, rank: int | None, detected_at: float | None = None
+) -> dict[str, Any]:
     if rank is not None and lost_peer(message):  # the agent found the peer of the failed rank first
         cause = root_cause(job_dir / "logs")
         if cause is not None:
             message, rank = cause["message"], cause["rank"]
     error = failure_cause(message, rank, read_stall(job_dir / "logs"))
+    if detected_at is not None:
+        error["detected_at"] = detected_at  # when the launcher learned of it (restart cost)
     spec = SYNCHRONIZERS[plain["sync"]["name"]]
     summary = failed_summary(job_dir, plain, error, spec.impl.waits_for_peers, run_label(plain))
     write_summary(job_dir, summary)

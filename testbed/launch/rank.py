@@ -45,6 +45,12 @@ from testbed.trainer import Trainer
 from testbed.world import World, close_world, init_world
 
 log = logging.getLogger("testbed")
+# Which attempt of its job a spawned world is (0, then 1, 2, ... after restarts: testbed.launch.job).
+ATTEMPT_ENV = "TESTBED_ATTEMPT"
+
+
+def restarted() -> bool:
+    return int(os.environ.get(ATTEMPT_ENV, "0")) > 0
 
 
 @record
@@ -97,7 +103,9 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
             bf16=cfg.precision == "bf16", log_every=cfg.log_every, injector=injector,
             loss_weight=loss_weight(sizes, world.rank),
             on_record=tracker.log_step if tracker else None,
-            fault=FaultInjector(cfg.fault, world.rank, cfg.seed, cfg.steps), arrivals=arrivals,
+            # An injected fault strikes the first attempt only, or every restart would meet it again.
+            fault=FaultInjector(cfg.fault, world.rank, cfg.seed, cfg.steps) if not restarted() else None,
+            arrivals=arrivals,
             start_step=resumed, buffers=buffers if buffers.flats else None,
             after_step=_checkpointer(cfg, Path(job_dir), world.rank, model, optimizer, injector, step_log),
         )
