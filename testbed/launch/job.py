@@ -96,7 +96,7 @@ def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path, identity: dict
     while True:
         summary = _attempt(cfg, plain, job_dir, identity, resume, len(failures))
         kind = (summary.get("error") or {}).get("kind")
-        if summary["status"] == "ok" or kind in NOT_RESTARTED or len(failures) >= cfg.launcher.max_restarts:
+        if summary["status"] == "ok" or kind in NOT_RESTARTED or len(failures) >= cfg.launcher.get("max_restarts", 0):
             break
         earlier = set_aside(job_dir)
         resume = _restart_point(job_dir, plain) or resume
@@ -104,7 +104,7 @@ def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path, identity: dict
                          "resumed_from_step": checkpoint.checkpoint_step(checkpoint.latest(resume)) if resume else None})
         log.warning("attempt %d failed (%s); restarting (%d of launcher.max_restarts=%d) from %s", len(failures) - 1,
                     kind, len(failures), cfg.launcher.max_restarts, f"{resume}'s checkpoint" if resume else "the start")
-    if cfg.launcher.max_restarts:
+    if cfg.launcher.get("max_restarts", 0):
         for failure, nxt in zip(failures, [*failures[1:], None]):
             failure["restart_s"] = _restart_s(failure, Path(nxt["dir"]) if nxt else job_dir)
         summary["restarts"], summary["attempts"] = len(failures), failures
