@@ -10,8 +10,9 @@ previous complete checkpoint.
 ``resume=<job dir>`` starts a new job from that directory's latest checkpoint: the step records
 before it are copied into the new job's metrics, so the new job's results cover the whole run. For
 synchronous modes the resumed run ends bitwise equal to an uninterrupted one (tested). Parameter
-servers in sync mode write their shards' state into the same step directories (ps<shard>.pt,
-testbed.ps.server) and the launcher restarts them from there.
+servers write their shards' state into the same step directories (ps<shard>.pt, testbed.ps.server)
+and the launcher restarts them from there; in async and SSP modes the barrier below is the point
+the shards' snapshot and the workers' checkpoints agree on.
 """
 
 from __future__ import annotations
@@ -49,6 +50,12 @@ def latest(job_dir: Path) -> Path | None:
 
 def checkpoint_step(path: Path) -> int:
     return int(path.name.removeprefix("step"))
+
+
+def continuable(job_dir: Path, steps: int) -> bool:
+    """Whether ``job_dir`` has a complete checkpoint that leaves steps to run in a run of ``steps``."""
+    found = latest(job_dir)
+    return found is not None and checkpoint_step(found) + 1 < steps
 
 
 def save(job_dir: Path, step: int, rank: int, keep: int, state: dict[str, Any]) -> None:

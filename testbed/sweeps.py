@@ -60,11 +60,10 @@ def set_aside(job_dir: Path) -> Path | None:
 def resumable(earlier: Path, plain: dict[str, Any]) -> bool:
     """Whether the attempt in ``earlier`` has a checkpoint that a run of ``plain`` can continue
     (testbed.config checks the same for ``resume=``)."""
-    found = checkpoint.latest(earlier)
-    if not plain["checkpoint"]["every"] or plain.get("resume") or found is None:
+    if not plain["checkpoint"]["every"] or plain.get("resume") or not checkpoint.continuable(earlier, plain["steps"]):
         return False
     try:
         resumed = json.loads((earlier / "summary.json").read_text())["config"]
     except (OSError, ValueError, KeyError):
         return False
-    return not checkpoint.mismatches(plain, resumed) and checkpoint.checkpoint_step(found) + 1 < plain["steps"]
+    return not checkpoint.mismatches(plain, resumed)

@@ -3,9 +3,11 @@ equal to one that was never interrupted, and its results cover the whole run."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import read_json, read_jsonl, run_cli
 
 from testbed import checkpoint
@@ -59,6 +61,26 @@ def test_a_restarted_run_ends_ok_and_bitwise_equal_to_an_uninterrupted_one(tmp_p
         assert [r["loss"] for r in records] == [r["loss"] for r in read_jsonl(tmp_path / "whole" / "metrics" / f"rank{rank}.jsonl")]
 
 
+@pytest.mark.parametrize("sync", ["ps_async", "ps_ssp"])
+def test_async_and_ssp_restart_from_the_servers_snapshot_at_the_checkpoint_step(tmp_path: Path, sync: str) -> None:
+    # No two async runs interleave alike, so no bitwise reference: what must hold is that the shards
+    # snapshot at the step every worker checkpointed, and the next attempt goes on from that state.
+    job = run(tmp_path, "restarted", [f"sync={sync}", "sync.servers=2", "optim.momentum=0.9", "checkpoint.every=4",
+                                      "fault=kill_rank", "fault.step=9", "launcher.max_restarts=1"])  # fmt: skip
+    summary = read_json(job / "summary.json")
+    assert summary["status"] == "ok" and summary["restarts"] == 1 and summary["attempts"][0]["resumed_from_step"] == 7
+    for shard in (0, 1):
+        snapshot = torch.load(job / "attempts" / "0" / "checkpoints" / "step0000007" / f"ps{shard}.pt", weights_only=False)
+        assert (snapshot["mode"], snapshot["clocks"], snapshot["version"]) == (sync.removeprefix("ps_"), [8, 8], 16)
+        assert sum(snapshot["histogram"].values()) == snapshot["stats"]["pushes"] == 16
+        # The restored shard's counts went on from the snapshot's: the whole run's 2 x 12 pushes.
+        stats = summary["sync_facts"]["server_stats"][shard]
+        assert stats["version"] == stats["pushes"] == sum(stats["staleness_histogram"]) == 24
+    for rank in (0, 1):
+        records = read_jsonl(job / "metrics" / f"rank{rank}.jsonl")
+        assert [r["step"] for r in records] == list(range(12)) and all(math.isfinite(r["loss"]) for r in records)
+
+
 def test_a_nonfinite_loss_is_not_restarted(tmp_path: Path) -> None:
     # From the same checkpoint the same steps diverge again, bitwise: a restart would only repeat them.
     job = run(tmp_path, "job", ["fault=nan_loss", "fault.step=3", "launcher.max_restarts=2"], expect=1)
@@ -80,7 +102,7 @@ def test_checkpoints_keep_the_newest(tmp_path: Path) -> None:
     [
         (["resume={job}", "optim.lr=0.5"], "the config differs in optim"),
         (["resume={empty}"], "no complete checkpoint there"),
-        (["sync=ps_async", "checkpoint.every=2"], "checkpoint/resume with sync=ps: the servers save"),
+        (["sync=ps", "sync.addresses=[127.0.0.1:1]", "checkpoint.every=2"], "checkpoint/resume with sync=ps: the servers save"),
         (["checkpoint.keep=0"], "checkpoint.keep=0: must be >= 1"),
         (["launcher.max_restarts=-1"], "launcher.max_restarts=-1: must be an integer >= 0"),
     ],

@@ -3,10 +3,12 @@ servicer passes them, and exact arithmetic out (integer-valued floats, SGD with 
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import grpc
 import pytest
@@ -272,6 +274,38 @@ def test_ssp_blocks_a_pull_while_its_worker_leads_by_more_than_the_staleness() -
     assert waiting()[1:] == (4, 2)
     stats = shard.stats_reply()
     assert (stats.version, list(stats.clocks), list(stats.staleness_histogram), stats.pulls) == (4, [3, 2], [3, 0, 1], 3)
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_async_and_ssp_checkpoint_the_state_at_the_step_every_worker_pushed_and_restore_it_exactly(
+    tmp_path: Path, mode: str
+) -> None:
+    shard = Shard(0, 2, mode, 1, SgdConfig(lr=LR, momentum=0.9), chunk_bytes=4 * CHUNK)  # momentum: optimizer state
+    shard.init_params(iter(chunks(INITIAL, worker=0, step=NUMEL)))
+    shard.checkpoint_dir, shard.checkpoint_every = tmp_path, 2
+    saved = tmp_path / "step0000001" / "ps0.pt"
+    push(shard, 0, 4.0, 0)
+    push(shard, 0, 2.0, 1)  # worker 0 at clock 2, worker 1 at 0: no point both agree on
+    push(shard, 1, 8.0, 0)
+    assert not saved.exists()
+    push(shard, 1, 1.0, 1)  # both have pushed step 1 (clock 2): the workers' checkpoint after step 1
+    assert saved.exists()
+    at_snapshot = (shard.params.detach().clone(), copy.deepcopy([o.state_dict() for o in shard.optimizers]), shard.version,
+                   list(shard.clocks), dict(shard.histogram), dict(shard.stats))
+    push(shard, 0, 16.0, 2)  # later pushes leave the snapshot as it was
+    restored = Shard(0, 2, mode, 1, SgdConfig(lr=LR, momentum=0.9), chunk_bytes=4 * CHUNK)
+    restored.restore(saved)
+    params, optimizers, version, clocks, histogram, stats = at_snapshot
+    assert torch.equal(restored.params.detach(), params) and not torch.equal(params, shard.params.detach())
+    for ours, theirs in zip((o.state_dict() for o in restored.optimizers), optimizers, strict=True):
+        assert ours["state"] and all(torch.equal(a["momentum_buffer"], b["momentum_buffer"]) for a, b in zip(ours["state"].values(), theirs["state"].values()))
+    assert (restored.version, restored.clocks, dict(restored.histogram), dict(restored.stats)) == (version, clocks, histogram, stats)
+    assert (version, clocks, histogram) == (4, [2, 2], {0: 2, 2: 2})
+    # The restored shard goes on as the original did: the same push moves both alike.
+    assert push(restored, 0, 16.0, 2) == pb.PushReply(version=5, staleness=2)
+    assert torch.equal(restored.params.detach(), shard.params.detach())
+    with pytest.raises(SystemExit, match="mode sync"):
+        Shard(0, 2, "sync", 1, SgdConfig(lr=LR), chunk_bytes=4 * CHUNK).restore(saved)
 
 
 def test_a_push_while_the_same_worker_is_pushing_is_refused() -> None:

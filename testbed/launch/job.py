@@ -93,18 +93,19 @@ def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path, identity: dict
     connecting to them (pytorch/pytorch#135712). A failed attempt's files go to ``attempts/<k>``."""
     failures: list[dict[str, Any]] = []
     resume = Path(cfg.resume) if cfg.resume else None
+    max_restarts = int(cfg.launcher.get("max_restarts", 0))  # launcher configs from elsewhere may lack it
     while True:
         summary = _attempt(cfg, plain, job_dir, identity, resume, len(failures))
         kind = (summary.get("error") or {}).get("kind")
-        if summary["status"] == "ok" or kind in NOT_RESTARTED or len(failures) >= cfg.launcher.get("max_restarts", 0):
+        if summary["status"] == "ok" or kind in NOT_RESTARTED or len(failures) >= max_restarts:
             break
         earlier = set_aside(job_dir)
         resume = _restart_point(job_dir, plain) or resume
         failures.append({"attempt": len(failures), "dir": str(earlier), "error": summary["error"],
                          "resumed_from_step": checkpoint.checkpoint_step(checkpoint.latest(resume)) if resume else None})
         log.warning("attempt %d failed (%s); restarting (%d of launcher.max_restarts=%d) from %s", len(failures) - 1,
-                    kind, len(failures), cfg.launcher.max_restarts, f"{resume}'s checkpoint" if resume else "the start")
-    if cfg.launcher.get("max_restarts", 0):
+                    kind, len(failures), max_restarts, f"{resume}'s checkpoint" if resume else "the start")
+    if max_restarts:
         for failure, nxt in zip(failures, [*failures[1:], None]):
             failure["restart_s"] = _restart_s(failure, Path(nxt["dir"]) if nxt else job_dir)
         summary["restarts"], summary["attempts"] = len(failures), failures
@@ -116,11 +117,7 @@ def _restart_point(job_dir: Path, plain: dict[str, Any]) -> Path | None:
     """The newest earlier attempt with a checkpoint to continue from (each attempt starts at or after
     the checkpoint of the one before, so the newest with one has the latest)."""
     attempts = sorted((job_dir / ATTEMPTS).iterdir(), key=lambda p: int(p.name) if p.name.isdigit() else -1)
-    for earlier in reversed(attempts):
-        found = checkpoint.latest(earlier)
-        if found is not None and checkpoint.checkpoint_step(found) + 1 < plain["steps"]:
-            return earlier
-    return None
+    return next((earlier for earlier in reversed(attempts) if checkpoint.continuable(earlier, plain["steps"])), None)
 
 
 def _restart_s(failure: dict[str, Any], next_dir: Path) -> float | None:

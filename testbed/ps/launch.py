@@ -38,7 +38,7 @@ class LocalServers:
         restore: Path | None = None, compress: dict[str, Any] | None = None, seed: int = 0,
     ) -> None:
         """``hosts``: (network namespace, address) per shard on an emulated network; ``checkpoint``:
-        (directory, every) for sync-mode checkpoints; ``restore``: a checkpoint step directory whose
+        (directory, every) for checkpoints; ``restore``: a checkpoint step directory whose
         ``ps<shard>.pt`` each shard starts from; ``compress``: the workers' codec config (and
         ``seed`` the run's), whose payloads the shards decode."""
         self.sync_cfg, self.optim_cfg, self.workers, self.log_dir = sync_cfg, optim_cfg, workers, log_dir

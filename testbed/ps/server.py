@@ -133,8 +133,9 @@ class Shard:
         self.optimizers: list[torch.optim.Optimizer] = []
         self.applied = 0  # sync: partitions updated to the current version (all of them when idle)
         self.apply_error = ""
-        # sync mode: write the state after every `checkpoint_every`-th update to
-        # <checkpoint_dir>/step<version - 1>/ps<shard>.pt, beside the workers' checkpoint of that step.
+        # Write the state after every `checkpoint_every`-th step of the workers' to
+        # <checkpoint_dir>/step<step>/ps<shard>.pt, beside the workers' checkpoint of that step
+        # (see _agreed_step).
         self.checkpoint_dir: Path | None = None
         self.checkpoint_every = 0
 
@@ -220,14 +221,15 @@ class Shard:
         if self.mode == "sync" and not self.sums_only:
             threading.Thread(target=self._update_loop, name=f"ps{self.shard}-update", daemon=True).start()
 
-    # --- checkpoints (sync mode) -----------------------------------------------------------------
+    # --- checkpoints -----------------------------------------------------------------------------
 
     def restore(self, path: Path) -> None:
         """Continue from a checkpoint written by this shard's predecessor (see checkpoint_every)."""
         state = torch.load(path, weights_only=False)
-        if state["shard"] != self.shard or state["workers"] != self.workers or self.mode != "sync":
-            raise SystemExit(f"{path}: a checkpoint of shard {state['shard']} with {state['workers']} workers; "
-                             f"this is shard {self.shard} with {self.workers}, mode {self.mode} (sync only)")
+        mode = state.get("mode", "sync")
+        if (state["shard"], state["workers"], mode) != (self.shard, self.workers, self.mode):
+            raise SystemExit(f"{path}: a checkpoint of shard {state['shard']} with {state['workers']} workers in mode "
+                             f"{mode}; this is shard {self.shard} with {self.workers}, mode {self.mode}")
         with self.cond:
             self._hold(state["params"])
             if len(state.get("optimizers", ())) != len(self.optimizers):
@@ -237,15 +239,27 @@ class Shard:
                 optimizer.load_state_dict(saved)
             self.version, self.clocks = state["version"], list(state["clocks"])
             self.histogram = Counter(state["histogram"])
+            self.stats = Counter(state.get("stats", {}))
 
-    def _save(self) -> None:
-        """The state after this update; the caller holds the lock."""
+    def _agreed_step(self) -> int | None:
+        """(Under the lock) the workers' step to checkpoint now, if this is such a point: every
+        worker has pushed the same number c of steps, a multiple of checkpoint_every, and it is all
+        applied. Workers meet at a barrier after such a step (testbed.checkpoint.save), so no push
+        of a later step can have arrived: the state saved is the state at that step exactly, in
+        async and SSP modes too, whatever the interleaving that led there."""
+        c = self.clocks[0]
+        if not self.checkpoint_every or c == 0 or c % self.checkpoint_every or any(k != c for k in self.clocks):
+            return None
+        return c - 1 if self._updated() else None
+
+    def _save(self, step: int) -> None:
+        """The state after the workers' ``step``; the caller holds the lock."""
         assert self.params is not None and self.checkpoint_dir is not None
-        target = self.checkpoint_dir / f"step{self.version - 1:07d}"
+        target = self.checkpoint_dir / f"step{step:07d}"
         target.mkdir(parents=True, exist_ok=True)
-        state = {"shard": self.shard, "workers": self.workers, "params": self.params.detach().clone(),
-                 "optimizers": [o.state_dict() for o in self.optimizers], "version": self.version, "clocks": list(self.clocks),
-                 "histogram": dict(self.histogram)}
+        state = {"shard": self.shard, "workers": self.workers, "mode": self.mode, "params": self.params.detach().clone(),
+                 "optimizers": [o.state_dict() for o in self.optimizers], "version": self.version,
+                 "clocks": list(self.clocks), "histogram": dict(self.histogram), "stats": dict(self.stats)}
         tmp = target / f"ps{self.shard}.pt.tmp"
         torch.save(state, tmp)
         os.replace(tmp, target / f"ps{self.shard}.pt")
@@ -435,6 +449,9 @@ class Shard:
                 self.apply_seconds += time.perf_counter() - start
                 self.version += 1
             self.histogram[staleness] += 1
+            step = self._agreed_step() if self.mode != "sync" else None  # sync: once the update thread is done
+            if step is not None:
+                self._save(step)
             self.cond.notify_all()
             return pb.PushReply(version=self.version, staleness=staleness)
 
@@ -455,8 +472,9 @@ class Shard:
                         if self._updated():
                             self.staged = [[] for _ in everyone]  # the received messages can go
                             self.apply_seconds += time.perf_counter() - start
-                            if self.checkpoint_every and self.version % self.checkpoint_every == 0:
-                                self._save()
+                            step = self._agreed_step()
+                            if step is not None:
+                                self._save(step)
                         self.cond.notify_all()
             except Exception as exc:  # every later push and pull is refused with it
                 log.exception("shard %d: update of version %d failed", self.shard, self.version)
@@ -592,6 +610,9 @@ class Shard:
                 if self.mode == "sync":
                     raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "sync mode advances clocks only by pushing")
                 self.clocks[request.worker] += 1
+                step = self._agreed_step()
+                if step is not None:
+                    self._save(step)
                 self.cond.notify_all()
             return pb.ClockReply(clocks=self.clocks, version=self.version)
 
@@ -832,9 +853,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="sync mode: serve the mean of each step's pushes, with no optimizer (BytePS's summation service)")
     parser.add_argument("--tls-cert", default="", help="serve TLS with this PEM certificate (and --tls-key)")
     parser.add_argument("--tls-key", default="", help="the certificate's PEM private key")
-    parser.add_argument("--checkpoint-dir", default="", help="sync mode: save the state here every --checkpoint-every updates")
+    parser.add_argument("--checkpoint-dir", default="", help="save the state here after every --checkpoint-every steps of the workers")
     parser.add_argument("--checkpoint-every", type=int, default=0)
-    parser.add_argument("--restore", default="", help="start from this checkpoint file (sync mode)")
+    parser.add_argument("--restore", default="", help="start from this checkpoint file")
     args = parser.parse_args(argv)
     if bool(args.tls_cert) != bool(args.tls_key):
         parser.error("--tls-cert and --tls-key go together")

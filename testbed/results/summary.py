@@ -162,6 +162,9 @@ def summarize(
         summary["device"] = per_rank[0]["device"]
         summary["backend"] = per_rank[0]["backend"]
     summary["sync_facts"] = sync_facts or {}
+    # Ranks meet at a barrier after each checkpoint's step: nothing for synchronous synchronizers,
+    # a point where async and SSP parameter servers' workers wait for each other.
+    summary["checkpoint_barrier_every"] = int((cfg.get("checkpoint") or {}).get("every") or 0) or None
     summary["versions"] = versions()
     summary["config_hash"] = config_hash(cfg)
     summary["config"] = cfg

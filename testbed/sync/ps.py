@@ -90,7 +90,8 @@ class ParameterServerSync(Synchronizer):
         if world.rank == 0 and infos[0].version == 0:  # a shard restored from a checkpoint holds its own
             self.client.init_params(self.param_shards)
         dist.barrier()  # every shard holds the initial parameters before anyone pulls
-        self.clock = int(infos[0].version)  # sync: a restored shard is at the step the run resumes from
+        # Steps this worker has pushed: 0, or a restored shard's count at the step the run resumes from.
+        self.clock = int(self.client.clock(0).clocks[world.rank])
         # compress.pull: decoders of the shards' encoded updates (a worker's first and last pulls are whole)
         self.decoders = None
         if self.codecs is not None and self.compress.get("pull"):
@@ -227,9 +228,9 @@ def _check(cfg: Any) -> None:
     require(not (cfg.network.name == "emulated" and ps.addresses),
             "network=emulated starts its own parameter servers inside the network; drop sync.addresses")
     if cfg.checkpoint.every or cfg.resume:
-        require(ps.mode == "sync" and not ps.addresses,
-                "checkpoint/resume with sync=ps: the servers save their state in step with the workers in sync "
-                "mode, with servers the launcher starts; use sync.mode=sync without sync.addresses")
+        require(not ps.addresses,
+                "checkpoint/resume with sync=ps: the servers save their state in step with the workers when the "
+                "launcher starts them; drop sync.addresses")
 
 
 @contextmanager
