@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from testbed.config import ConfigError, validate
 from testbed.launch.existing import surrounding_world
 from testbed.paths import config_dir
 from testbed.sweeps import excluded
+from testbed.sync import SYNCHRONIZERS
 
 _SKIP_FLAGS = ("-cp", "-cn", "-cd", "--config-path", "--config-name", "--config-dir", "--help", "-h",
                "--hydra-help", "--cfg", "-c", "--info", "-i", "--shell-completion", "-sc")
@@ -79,6 +81,36 @@ def check_output_dirs(argv: list[str]) -> None:
                               "free some space or choose another directory")
 
 
+PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def check_free_ports(need: int, host: str = "127.0.0.1") -> None:
+    """Refuse when this machine cannot give a run the ``need`` ports its rendezvous store, ranks and
+    parameter servers listen on, all from the ephemeral range (they bind port 0): held at once and
+    released, so that a used-up range fails here, in words, not as a rank's bind error later."""
+    held: list[socket.socket] = []
+    try:
+        for _ in range(need):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(sock)
+            sock.bind((host, 0))
+    except OSError as exc:
+        lo, hi = PORT_RANGE.read_text().split() if PORT_RANGE.exists() else ("?", "?")
+        raise ConfigError(
+            f"no free TCP port on {host}: a run here listens on {need} ({exc.strerror or exc}); the ephemeral range "
+            f"{lo}-{hi} (net.ipv4.ip_local_port_range) is used up: end what holds its ports (ss -tanp) or widen it "
+            "(sysctl -w net.ipv4.ip_local_port_range='15000 65000')") from None
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def listeners(cfg: DictConfig) -> int:
+    """The ports one run of ``cfg`` listens on: a rank each, the local parameter servers, the store."""
+    spec = SYNCHRONIZERS.get(cfg.sync.name)
+    return int(cfg.world_size) + (spec.local_servers(cfg) if spec else 0) + 1
+
+
 def check_command_line(argv: list[str]) -> int:
     """Raise ConfigError for the first job of ``argv`` that cannot run; return how many jobs it has
     (0 when it cannot tell)."""
@@ -94,6 +126,7 @@ def check_command_line(argv: list[str]) -> int:
         except HydraException:
             return 0  # a sweep syntax the basic sweeper does not expand; Hydra reports or runs it
         composed: dict[tuple[str, ...], DictConfig] = {}
+        need = 0
         for point in points:
             try:
                 cfg = _compose(point, composed)
@@ -101,6 +134,9 @@ def check_command_line(argv: list[str]) -> int:
                 raise ConfigError(describe_composition_error(exc)) from None
             if excluded(point, cfg.sweep_exclude) is None:
                 validate(cfg, local_world_size=local)
+                need = max(need, listeners(cfg))
+    if joined is None and need:  # under torchrun/Slurm the world and its ports are there already
+        check_free_ports(need)
     return len(points)
 
 

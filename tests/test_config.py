@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, cli_env, run_cli
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from PIL import Image
@@ -203,3 +204,33 @@ def test_a_results_directory_that_cannot_hold_results_is_refused_before_anything
         assert not (tiny / "sweep").exists()
     finally:
         subprocess.run(["umount", str(tiny)], check=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="a network namespace of its own needs root")
+def test_a_used_up_port_range_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    # The ephemeral range is per network namespace: one of two ports, both held, stands for a machine
+    # whose range is used up, without touching the host's.
+    ns = f"tbports{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    holder = None
+    try:
+        inside = ["ip", "netns", "exec", ns]
+        subprocess.run([*inside, "ip", "link", "set", "lo", "up"], check=True)
+        subprocess.run([*inside, "sysctl", "-q", "-w", "net.ipv4.ip_local_port_range=40000 40001"], check=True)
+        hold = ("import socket, sys\nheld = [socket.socket() for _ in range(2)]\n[s.bind(('127.0.0.1', 0)) for s in held]\n"
+                "print('held', flush=True)\nsys.stdin.read()")
+        holder = subprocess.Popen([*inside, sys.executable, "-c", hold], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        job = tmp_path / "job"
+        proc = subprocess.run([*inside, sys.executable, "-m", "testbed", "world_size=2", "device=cpu", f"hydra.run.dir={job}"],
+                              cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+            "config error: no free TCP port on 127.0.0.1: a run here listens on 3 (Address already in use); the "
+            "ephemeral range 40000-40001 (net.ipv4.ip_local_port_range) is used up: end what holds its ports "
+            "(ss -tanp) or widen it (sysctl -w net.ipv4.ip_local_port_range='15000 65000')"], proc.stderr[-2000:]
+        assert not job.exists()
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait()
+        subprocess.run(["ip", "netns", "del", ns], check=True)

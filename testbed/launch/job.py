@@ -20,6 +20,7 @@ from testbed.launch.existing import in_submitit_job, surrounding_world
 from testbed.launch.rank import ATTEMPT_ENV, rank_main
 from testbed.launch.spawn import RankFailure, spawn_world
 from testbed.netem import EmulatedNetwork, machines_of
+from testbed.preflight import check_free_ports, listeners
 from testbed.rank_failure import lost_peer, root_cause
 from testbed.results.step_log import read_step_log
 from testbed.results.summary import ATTEMPTS, failed_summary, summarize, write_summary
@@ -146,6 +147,7 @@ def _attempt(
     env: dict[str, str] = dict(DEBUG_ENV) if cfg.debug else {}  # C++ logging reads its level at import
     env[ATTEMPT_ENV] = str(attempt)
     try:
+        check_free_ports(listeners(cfg))  # a sweep's later job may find the range used up since its start
         with ExitStack() as stack:  # exits in reverse: servers stop before their network goes
             network = None
             if cfg.network.name == "emulated":
