@@ -199,7 +199,10 @@ def test_a_stalled_stream_is_cancelled_and_holds_up_no_one(tmp_path: Path) -> No
                 workers[0].init_params([initial.clone()])
                 break
             except PsError as exc:
-                assert "being initialised" in str(exc) and time.monotonic() < deadline, exc
+                # Now and then (1 run in 15 here) gRPC Python's client sends every chunk of the retry
+                # but not the stream's end, and the server's stream deadline cancels it, data dropped:
+                # the shard stays uninitialised, and the next try goes through.
+                assert ("being initialised" in str(exc) or "CANCELLED" in str(exc)) and time.monotonic() < deadline, exc
                 time.sleep(0.05)
 
         push_stall = stall(stub.Push, next(chunks(torch.ones(NUMEL), 0, 2, 0, CHUNK_BYTES)))

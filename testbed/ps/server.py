@@ -80,6 +80,7 @@ log = logging.getLogger("testbed.ps.server")
 UPDATE_BYTES = 8 << 20
 # The longest a streamed request (InitParams, Push) may take, whatever the client's deadline.
 STREAM_TIMEOUT_S = 600.0
+NOTHING: Iterator[Any] = iter(())
 
 
 class Refused(Exception):
@@ -670,31 +671,39 @@ class Servicer(pb_grpc.ParameterServerServicer):
     def __init__(self, shard: Shard, stop: Callable[[], None], stream_timeout_s: float = STREAM_TIMEOUT_S) -> None:
         self.shard, self._stop, self.stream_timeout_s = shard, stop, stream_timeout_s
 
-    def _guard(self, context: grpc.ServicerContext, call: Callable[[], Any]) -> Any:
+    def _guard(self, context: grpc.ServicerContext, call: Callable[[], Any], rest: Iterator[Any] = NOTHING) -> Any:
+        """``call``, its refusal answered with its status; ``rest``: a streamed request's messages not
+        read yet, drained first, because gRPC Python's client reports an answer that comes before it
+        finished sending as CANCELLED, not as the status (grpc/grpc#29615)."""
         try:
             return call()
         except Refused as refused:
             with self.shard.cond:
                 self.shard.stats["rejected"] += 1
+            try:
+                for _ in rest:  # bounded by the stream's deadline (_bounded), which ends the iteration
+                    pass
+            except grpc.RpcError:
+                pass
             context.abort(refused.code, str(refused))
 
     def Register(self, request, context):  # noqa: N802 (gRPC method names)
         return self._guard(context, lambda: self.shard.register(_parsed(request).worker))
 
-    def _bounded(self, context: grpc.ServicerContext, call: Callable[[], Any]) -> Any:
+    def _bounded(self, context: grpc.ServicerContext, requests: Iterator[Any], call: Callable[[Iterator[Any]], Any]) -> Any:
         timer = threading.Timer(self.stream_timeout_s, context.cancel)  # the stream's next chunk then raises
         timer.daemon = True
         timer.start()
         try:
-            return self._guard(context, call)
+            return self._guard(context, lambda: call(requests), rest=requests)
         finally:
             timer.cancel()
 
     def InitParams(self, request_iterator, context):  # noqa: N802
-        return self._bounded(context, lambda: self.shard.init_params(request_iterator))
+        return self._bounded(context, request_iterator, self.shard.init_params)
 
     def Push(self, request_iterator, context):  # noqa: N802
-        return self._bounded(context, lambda: self.shard.push(request_iterator))
+        return self._bounded(context, request_iterator, self.shard.push)
 
     def Pull(self, request, context):  # noqa: N802
         try:
