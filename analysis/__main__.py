@@ -1,4 +1,4 @@
-"""``python -m analysis <sweep or job dirs ... | wandb:entity/project/group | bench JSON ...> [--out DIR]``
+"""``python -m analysis <sweep or job dirs ... | wandb:entity/project/group | bench JSON ...> [--out DIR] [--wandb]``
 
 Loads the runs, prints the comparison table, and writes figures (PNG and PDF) and ``report.md``:
 scaling efficiency and throughput against workers, speed-up and marginal speed-up (diminishing
@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from analysis import collectives, compression, figures, published, topology, validation
+from analysis import collectives, compression, dashboard, figures, published, topology, validation
 from analysis.load import load
 from analysis.metrics import aggregate, aggregate_by, breakdown, loss_curves, swept_keys, time_to_target
 from analysis.report import write_report
@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibration", help="link fits (python -m testbed.sim.calibrate): predict every run and draw figure 9")
     parser.add_argument("--cores", type=int, default=os.cpu_count(), help="with --calibration: cores the runs shared")
     parser.add_argument("--target-loss", type=float, help="loss for time-to-target (default: the worst final loss among the runs)")
+    parser.add_argument("--wandb", action="store_true", help="also log the analysis as a W&B run in the sweep's group (analysis.dashboard)")
+    parser.add_argument("--wandb-mode", choices=("offline", "online"), help="with --wandb (default: the jobs' wandb.mode; offline if they had none)")
     args = parser.parse_args(argv)
     bench = [s for s in args.sources if s.endswith(".json")]
     if bench:
@@ -85,8 +87,14 @@ def main(argv: list[str] | None = None) -> int:
         figs, section = validation.analyse(validate(summaries, args.calibration, args.cores), out)
         written += figs
         sections.append(section)
-    report = write_report(out, args.sources, runs, table, written, breakdown(runs), target, sections)
+    phases = breakdown(runs)
+    report = write_report(out, args.sources, runs, table, written, phases, target, sections)
     print(f"\nfigures and report: {out} ({len(written)} files, {report.name})")
+    if args.wandb:
+        wandb_target = dashboard.Target.of(summaries, args.sources[0], args.wandb_mode)
+        where = dashboard.log_analysis(wandb_target, dashboard.tables(table, phases, runs, steps), written, report,
+                                       dashboard.job_updates(runs), out)
+        print(f"W&B analysis run ({wandb_target.mode}, group {wandb_target.group}): {where}")
     return 0
 
 

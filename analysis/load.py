@@ -136,10 +136,11 @@ def _records(path: Path) -> Iterator[bytes]:
 
 
 def read_offline_run(run_file: Path) -> dict[str, Any]:
-    """What an offline run recorded: ``run`` (group, job_type, name), ``config``, ``history``, ``summary``."""
+    """What an offline run recorded: ``run`` (group, job_type, name), ``config``, ``history``,
+    ``summary`` and ``artifacts`` (name, type, files)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    out: dict[str, Any] = {"run": {}, "config": {}, "history": [], "summary": {}}
+    out: dict[str, Any] = {"run": {}, "config": {}, "history": [], "summary": {}, "artifacts": []}
     for raw in _records(run_file):
         record = pb.Record()
         record.ParseFromString(raw)
@@ -154,6 +155,9 @@ def read_offline_run(run_file: Path) -> dict[str, Any]:
             out["history"].append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
         elif kind == "summary":
             out["summary"].update({u.key or "/".join(u.nested_key): json.loads(u.value_json) for u in record.summary.update})
+        elif kind == "artifact":
+            art = record.artifact
+            out["artifacts"].append({"name": art.name, "type": art.type, "files": [f.path for f in art.manifest.contents]})
     # wandb stores config values as {"value": v} (plus its own "_wandb" entry)
     out["config"] = {k: v.get("value") if isinstance(v, dict) and "value" in v else v
                      for k, v in out["config"].items() if k != "_wandb"}

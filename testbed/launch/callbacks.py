@@ -1,8 +1,10 @@
 """Hydra callback of a multirun: a progress line as each job starts; at the end, the comparison
-table on the console and in the sweep dir."""
+table on the console and in the sweep dir, and, when the jobs log to W&B, the sweep's analysis
+run beside them (analysis.dashboard)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -22,6 +24,7 @@ def write_sweep_table(sweep_dir: Path) -> str:
     return format_table(rows)
 
 
+log = logging.getLogger("testbed")
 SWEEP_JOBS_ENV = "TESTBED_SWEEP_JOBS"  # jobs in the sweep, counted by the preflight check
 
 
@@ -41,5 +44,13 @@ class SweepTable(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        if sweep_dir.is_dir():
-            print(f"\nComparison ({sweep_dir}):\n{write_sweep_table(sweep_dir)}", flush=True)
+        if not sweep_dir.is_dir():
+            return
+        print(f"\nComparison ({sweep_dir}):\n{write_sweep_table(sweep_dir)}", flush=True)
+        if config.wandb.mode != "disabled":  # the jobs are W&B runs: their comparison joins them
+            from analysis.__main__ import main as analyse
+
+            try:
+                analyse([str(sweep_dir), "--wandb", "--wandb-mode", str(config.wandb.mode)])
+            except Exception as exc:  # W&B is a mirror: the sweep's results are written already
+                log.warning("the sweep's W&B analysis failed: %s: %s", type(exc).__name__, exc)

@@ -25,6 +25,7 @@ from testbed.rank_failure import lost_peer, root_cause
 from testbed.results.step_log import read_step_log
 from testbed.results.summary import ATTEMPTS, failed_summary, summarize, write_summary
 from testbed.results.table import format_table, summary_row
+from testbed.results.wandb_run import group_name
 from testbed.stall import read_stall
 from testbed.sweeps import excluded, finished, resumable, set_aside
 from testbed.sync import SYNCHRONIZERS, run_label
@@ -192,16 +193,22 @@ def _identity(plain: dict[str, Any], hydra_cfg: Any, multirun: bool) -> dict[str
     return {
         "overrides": list(hydra_cfg.overrides.task),
         "name": ",".join(overrides) or "defaults",
-        "group": str(hydra_cfg.sweep.dir if multirun else hydra_cfg.run.dir),
+        "group": _group(plain, hydra_cfg, multirun),
         "job_type": run_label(plain),
     }
 
 
+def _group(plain: dict[str, Any], hydra_cfg: Any, multirun: bool) -> str:
+    return plain["wandb"]["group"] or group_name(Path(hydra_cfg.sweep.dir if multirun else hydra_cfg.run.dir))
+
+
 def _with_overrides(job_dir: Path, summary: dict[str, Any] | None, hydra_cfg: Any) -> dict[str, Any] | None:
     """Add the job's command-line overrides: within a sweep they say which jobs share a configuration
-    (interpolated or run-time values such as server addresses cannot)."""
+    (interpolated or run-time values such as server addresses cannot); and the W&B group its sweep's
+    analysis logs to."""
     if summary is not None:
         summary["overrides"] = list(hydra_cfg.overrides.task)
+        summary["wandb_group"] = _group(summary["config"], hydra_cfg, hydra_cfg.mode == RunMode.MULTIRUN)
         write_summary(job_dir, summary)
     return summary
 

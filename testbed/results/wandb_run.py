@@ -1,11 +1,13 @@
 """Mirror a job to Weights & Biases: one W&B run per Hydra job, written by rank 0 only.
 
 The run starts after the process group and the parameter servers are up (so a failed start-up is
-not a W&B run) with ``group`` = the sweep, ``job_type`` = the synchronizer, a name from the job's
-overrides and ``config`` = the resolved config plus those overrides. Every step's record is logged against the
-``step`` key as it ends; ``summary.json``'s fields become the run summary. W&B is a mirror, never a
-dependency: if it fails or cannot reach its server, one warning is printed and training goes on.
-``wandb.mode=disabled`` (the default) does not even import it.
+not a W&B run) with ``group`` = the sweep (``group_name`` of its directory), ``job_type`` = the
+synchronizer, a name from the job's overrides and ``config`` = the resolved config plus those
+overrides. Every step's record is logged against the ``step`` key as it ends, with ``wall_s``, the
+run's time so far (the sum of its step times, as the analysis draws loss against wall-clock);
+``summary.json``'s fields become the run summary. W&B is a mirror, never a dependency: if it fails
+or cannot reach its server, one warning is printed and training goes on. ``wandb.mode=disabled``
+(the default) does not even import it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,15 @@ log = logging.getLogger("testbed")
 
 # Per-step fields worth a chart; absolute timestamps and the rank would only clutter the dashboard.
 _SKIP = {"rank", "t_sync_enter", "t_sync_exit"}
+_ROOTS = ("", "/", "tmp")  # path components that name no experiment
+
+
+def group_name(directory: Path) -> str:
+    """A sweep's W&B group: the last two components of its directory, which the Makefile and Hydra
+    name by experiment and time (``compare/2026-12-03_08-56-04``, ``2026-11-30/10-00-00``), without
+    a bare root such as /tmp (``hydra.run.dir=/tmp/wb`` gives ``wb``). ``wandb.group`` overrides it."""
+    parts = [p for p in directory.absolute().parts[-2:] if p not in _ROOTS]
+    return "/".join(parts) or str(directory)
 
 
 class WandbRun:
@@ -25,6 +36,7 @@ class WandbRun:
 
     def __init__(self, wandb_cfg: Any, plain_cfg: dict[str, Any], job_dir: Path, identity: dict[str, Any]) -> None:
         self.run: Any = None
+        self.wall_s = 0.0
         if wandb_cfg.mode == "disabled":
             return
         self._guard("start", self._start, wandb_cfg, plain_cfg, job_dir, identity)
@@ -36,7 +48,7 @@ class WandbRun:
             mode=wandb_cfg.mode,
             project=wandb_cfg.project,
             entity=wandb_cfg.entity,
-            group=wandb_cfg.group or identity["group"],
+            group=identity["group"],
             job_type=identity["job_type"],
             name=identity["name"],
             tags=list(wandb_cfg.tags),
@@ -58,8 +70,9 @@ class WandbRun:
 
     def log_step(self, record: dict[str, Any]) -> None:
         if self.run is not None:
+            self.wall_s += record["t_step"]
             metrics = {k: v for k, v in record.items() if k not in _SKIP and v is not None}
-            self._guard("log", self.run.log, metrics)
+            self._guard("log", self.run.log, {**metrics, "wall_s": self.wall_s})
 
     def finish(self, summary: dict[str, Any] | None) -> None:
         if self.run is None:
