@@ -31,7 +31,7 @@ from testbed.results.step_log import metrics_path, read_step_log
 DIR, LATEST = "checkpoints", "latest"
 # Config that may differ between a run and its resumption: how it runs, not what it computes.
 RUN_ONLY = ("steps", "warmup_steps", "checkpoint", "resume", "fault", "timeouts", "launcher", "wandb", "debug",
-            "log_every", "sim", "sweep_resume")
+            "log_every", "sim", "tune", "sweep_resume")
 RUN_ONLY_SYNC = ("addresses", "host", "tls_cert", "tls_key", "tls_ca")  # where the servers run, and how they are reached
 
 

@@ -327,6 +327,22 @@ class SimConfig:
 
 
 @dataclass
+class TuneConfig:
+    """How ``python -m testbed.tune`` searches (training runs ignore it): testbed.tune."""
+
+    objective: str = "throughput"  # throughput | time_to_target (of the measured candidates)
+    # The knobs searched: a list of keys (each with its default candidates, testbed.tune.space) or
+    # a mapping of keys to their candidates: {sync:[ring,ps],sync.bucket_mb:[1,25]}; null: [sync,
+    # sync.bucket_mb, sync.overlap].
+    space: Any = None
+    budget: int = 6  # real runs: the best predicted candidates, `repeats` runs each
+    repeats: int = 2
+    screen_max: int = 200  # simulator predictions; a larger space is searched with Optuna's TPE
+    calibration: str = "docs/sim/calibration.json"  # link fits; a link they lack is benchmarked first
+    compute_from: str | None = None  # a world_size=1 job of this setting; null: one is run first
+
+
+@dataclass
 class Config:
     sync: Any = MISSING
     compress: Any = MISSING
@@ -366,6 +382,7 @@ class Config:
     resume: str | None = None  # a job directory whose latest checkpoint this run continues
     wandb: WandbConfig = field(default_factory=WandbConfig)
     sim: SimConfig = field(default_factory=SimConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)
 
 
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {

@@ -155,7 +155,7 @@ def test_every_preset_composes_and_validates_every_point(preset: str, tmp_path: 
                        cwd=tmp_path, module="testbed.sim")
         assert proc.returncode == 0, proc.stderr[-2000:]
         return
-    assert f"python -m testbed +experiment={preset}" in text
+    assert f"python -m testbed +experiment={preset}" in text or f"python -m testbed.tune +experiment={preset}" in text
     try:
         check_command_line([f"+experiment={preset}"])  # composes every point of its sweep and validates it
     except ConfigError as exc:

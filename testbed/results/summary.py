@@ -19,8 +19,9 @@ from testbed.results.workload import workload_throughput
 from testbed.timing import PHASES, compute_time, fill_wait, percentile
 
 ATTEMPTS = "attempts"  # a job directory's earlier attempts (testbed.sweeps): not jobs of their own
-# Not part of what a run is: how a sweep was resumed, and where its launcher put the servers.
-UNHASHED, UNHASHED_SYNC = ("sweep_resume", "resume"), ("addresses",)
+# Not part of what a run is: how a sweep was resumed, how a tuner searches, and where its launcher
+# put the servers.
+UNHASHED, UNHASHED_SYNC = ("sweep_resume", "resume", "tune"), ("addresses",)
 
 
 def config_hash(cfg: dict[str, Any]) -> str:

@@ -1,0 +1,72 @@
+"""The tuner: its space composes and screens in the simulator (in-process, grid and Optuna's TPE),
+and on a tiny space it picks what a full grid of measured runs ranks first, or one within the noise
+of it, leaving normal job directories behind."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from conftest import read_json, run_cli
+from hydra import initialize_config_dir
+
+from testbed.checks import ConfigError
+from testbed.paths import config_dir
+from testbed.results.summary import load_summaries
+from testbed.tune import space
+
+SETTING = ["world_size=2", "steps=60", "warmup_steps=10", "device=cpu", "launcher.echo_rank0=false"]
+
+
+@pytest.mark.unit
+def test_a_space_names_its_knobs_and_refuses_one_without_candidates() -> None:
+    assert space.knobs(None) == {k: space.DEFAULTS[k] for k in space.SPACE}
+    assert space.knobs({"sync": ["ring", "ps"], "sync.overlap": None}) == {"sync": ["ring", "ps"], "sync.overlap": [False, True]}
+    with pytest.raises(ConfigError, match=r"tune.space: no candidates for model.hidden; give them"):
+        space.knobs(["sync", "model.hidden"])
+
+
+@pytest.mark.unit
+def test_knobs_that_do_not_apply_merge_candidates_and_the_simulator_ranks_them() -> None:
+    sim = {"compute_ms_per_sample": 0.05, "calibration": str(Path(config_dir()).parent / "docs/sim/calibration.json")}
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="tune"):
+        cfg, applied = space.compose_candidate(["world_size=2"], {"sync": "ps", "sync.bucket_mb": 4})
+        assert applied == ("sync=ps",) and cfg.sync.name == "ps"  # a parameter server has no buckets
+        cfg, applied = space.compose_candidate(["world_size=2"], {"sync": "ring", "sync.bucket_mb": 4})
+        assert applied == ("sync=ring", "sync.bucket_mb=4") and cfg.sync.bucket_mb == 4
+        knobs = {"sync": ["ring", "ps"], "sync.bucket_mb": [1, 4], "compress": ["none", "powersgd"]}
+        grid = space.screen(["world_size=2", "model.hidden=512"], knobs, sim, screen_max=100, seed=0)
+        assert (grid.method, grid.size, len(grid.candidates)) == ("grid", 8, 6)  # ps x bucket sizes merge
+        refused = [c for c in grid.candidates if math.isnan(c.predicted)]
+        assert [c.overrides for c in refused] == [("sync=ps", "compress=powersgd")]
+        assert "compress=powersgd with sync=ps" in refused[0].why
+        ranked = grid.ranked()
+        assert all(a.predicted >= b.predicted for a, b in zip(ranked, ranked[1:])) and ranked[0].overrides[0] == "sync=ring"
+        sampled = space.screen(["world_size=2", "model.hidden=512"], knobs, sim, screen_max=4, seed=0)
+        assert sampled.method == "tpe" and 1 <= len(sampled.candidates) <= 4  # Optuna draws, repeats merge
+        assert {c.overrides for c in sampled.candidates} <= {c.overrides for c in grid.candidates}
+
+
+@pytest.mark.serial
+def test_the_tuner_picks_what_a_measured_grid_ranks_first_or_one_within_its_noise(tmp_path: Path) -> None:
+    tuning = tmp_path / "tuning"
+    proc = run_cli([*SETTING, "tune.space={sync:[allreduce,ps],compress:[none,fp16]}", "tune.budget=2", "tune.repeats=1",
+                    f"hydra.run.dir={tuning}"], cwd=tmp_path, module="testbed.tune")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tuning / "tuning.json").read_text())
+    assert len(result["screened"]) == 4 and all(not math.isnan(c["predicted"]) for c in result["screened"])
+    best = result["measured"][0]["knobs"].split()
+    assert (tuning / "tuning.png").is_file() and (tuning / "tuning.md").is_file()
+    measured = load_summaries([tuning / "trials"])  # normal job directories, as analysis reads them
+    assert len(measured) == 2 and all(s["status"] == "ok" for s in measured)
+    assert best in [[o for o in s["overrides"] if o.startswith(("sync=", "compress="))] for s in measured]
+    grid = {}
+    for sync in ("allreduce", "ps"):
+        for codec in ("none", "fp16"):
+            job = tmp_path / f"grid-{sync}-{codec}"
+            assert run_cli([*SETTING, f"sync={sync}", f"compress={codec}", f"hydra.run.dir={job}"], cwd=tmp_path).returncode == 0
+            grid[f"sync={sync} compress={codec}"] = read_json(job / "summary.json")["throughput"]
+    top = max(grid.values())
+    assert grid[" ".join(best)] >= 0.8 * top, (best, grid)  # two cores: runs of one config spread by ~20 %
