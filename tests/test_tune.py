@@ -1,6 +1,6 @@
-"""The tuner: its space composes and screens in the simulator (in-process, grid and Optuna's TPE),
-and on a tiny space it picks what a full grid of measured runs ranks first, or one within the noise
-of it, leaving normal job directories behind."""
+"""The tuner: its space composes and screens in the simulator (in-process, grid and Optuna's TPE);
+a link its calibration lacks is benchmarked first; on a tiny space it picks what a full grid of
+measured runs ranks first, or one within the noise of it, leaving normal job directories behind."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ from pathlib import Path
 import pytest
 from conftest import read_json, run_cli
 from hydra import initialize_config_dir
+from omegaconf import OmegaConf
 
 from testbed.checks import ConfigError
 from testbed.paths import config_dir
 from testbed.results.summary import load_summaries
-from testbed.tune import space
+from testbed.sim import calibrate
+from testbed.tune import space, trials
 
 SETTING = ["world_size=2", "steps=60", "warmup_steps=10", "device=cpu", "launcher.echo_rank0=false"]
 
@@ -47,6 +49,22 @@ def test_knobs_that_do_not_apply_merge_candidates_and_the_simulator_ranks_them()
         sampled = space.screen(["world_size=2", "model.hidden=512"], knobs, sim, screen_max=4, seed=0)
         assert sampled.method == "tpe" and 1 <= len(sampled.candidates) <= 4  # Optuna draws, repeats merge
         assert {c.overrides for c in sampled.candidates} <= {c.overrides for c in grid.candidates}
+
+
+def test_a_link_the_calibration_lacks_is_benchmarked_and_fitted_first(tmp_path: Path) -> None:
+    given = json.loads((Path(config_dir()).parent / "docs/sim/calibration.json").read_text())
+    given["fits"] = [f for f in given["fits"] if f["link"] != "loopback"]  # this machine's link, unknown
+    lacking = tmp_path / "calibration.json"
+    lacking.write_text(json.dumps(given))
+    (tmp_path / "logs").mkdir()
+    cfg = OmegaConf.create({"world_size": 2, "network": {"name": "loopback"}, "sim": {"link": None}})
+    fitted = trials.calibration_for(cfg, lacking, tmp_path)
+    assert fitted == tmp_path / "calibration" / "calibration.json"
+    fits = {(f.link, f.impl): f for f in calibrate.load(fitted)}
+    assert {("loopback", "native"), ("loopback", "ring"), ("loopback", "tree")} <= set(fits)
+    assert all(f.beta > 0 for (link, _), f in fits.items() if link == "loopback")
+    assert ("1gbit", "ring") in fits and calibrate.load_codecs(fitted) == calibrate.load_codecs(lacking)
+    assert trials.calibration_for(cfg, fitted, tmp_path) == fitted  # has the link now: used as it is
 
 
 @pytest.mark.serial

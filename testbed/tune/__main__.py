@@ -1,7 +1,7 @@
 """``python -m testbed.tune <the setting's overrides> tune.space=... tune.objective=... tune.budget=...``
 
 1. Calibrate: a measured world_size=1 run of the setting (its compute; ``tune.compute_from`` skips
-   it) and the link's fits from ``tune.calibration``.
+   it) and the link's fits from ``tune.calibration`` (a link it lacks is benchmarked first).
 2. Screen the space in the simulator: every candidate when there are at most ``tune.screen_max``,
    else that many drawn by Optuna's TPE.
 3. Measure the best ``budget // repeats`` predicted candidates, ``repeats`` runs each, and rank
@@ -70,8 +70,10 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     # cores, and the single worker runs with the threads one rank of the setting gets.
     cores = os.cpu_count() or 1
     threads = int(cfg.threads_per_rank) or max(1, cores // int(cfg.world_size))
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    calibration = trials.calibration_for(cfg, _in_checkout(tune.calibration), out)
     compute_from = tune.compute_from or str(trials.single_worker(base, out, threads))
-    sim = {"calibration": str(_in_checkout(tune.calibration)), "compute_from": compute_from, "cores": cores}
+    sim = {"calibration": str(calibration), "compute_from": compute_from, "cores": cores}
     screened = tune_space.screen(base, knobs, sim, int(tune.screen_max), int(cfg.seed), progress=print)
     screen_s = time.perf_counter() - began
     best = screened.ranked()[: max(1, int(tune.budget) // int(tune.repeats))]

@@ -3,7 +3,8 @@ and the ranked table and figure they end in.
 
 Every run is ``python -m testbed`` with the setting's overrides plus its own, in a job directory of
 its own (``calibration/n1``, ``trials/<rank>_<knobs>_seed<s>``), so ``python -m analysis <dir>/trials``
-reads the measured candidates like any sweep.
+reads the measured candidates like any sweep; a link the calibration lacks is benchmarked into
+``calibration/``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pandas as pd
 
 from testbed.config import short_dirname
 from testbed.results.format import markdown_table, text_table
+from testbed.sim import calibrate
 from testbed.tune.space import Candidate, Screen
 
 
@@ -69,6 +71,30 @@ def single_worker(base: list[str], out: Path, threads: int) -> Path:
     if summary is None or summary.get("status") != "ok":
         raise RuntimeError(f"the single-worker calibration run failed: see {out / 'logs' / 'n1.log'}")
     return job
+
+
+def calibration_for(cfg: Any, calibration: Path, out: Path) -> Path:
+    """``calibration``, or, where it has no fit for the setting's link, a copy with one: the link
+    benchmarked first (python -m testbed.bench: native, ring and tree all-reduce at the setting's
+    world size) and fitted (testbed.sim.calibrate; a parameter server falls back to the link's
+    all-reduce fit)."""
+    emulated = cfg.network.name == "emulated"
+    link = cfg.sim.link or (str(cfg.network.bandwidth) if emulated else calibrate.DEFAULT_LINK)
+    if any(f.link == link for f in calibrate.load(calibration)):
+        return calibration
+    bench = out / "calibration" / f"bench-{link}.json"
+    bench.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "testbed.bench", "--world-sizes", str(max(2, int(cfg.world_size))), "--sizes",
+           "1M,4M,16M", "--impls", "native,ring,tree", "--out", str(bench), *(["--bandwidth", link] if emulated else [])]
+    with (out / "logs" / "bench.log").open("w") as log:
+        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(), check=False)
+    if not bench.is_file():
+        raise RuntimeError(f"the benchmark of link {link} failed: see {out / 'logs' / 'bench.log'}")
+    sources = json.loads(calibration.read_text()).get("sources", [])
+    fitted = out / "calibration" / "calibration.json"
+    calibrate.save(calibrate.load(calibration) + calibrate.fit_records(calibrate.load_records([bench])), fitted,
+                   [*sources, bench], calibrate.load_codecs(calibration))
+    return fitted
 
 
 def measure(base: list[str], chosen: list[Candidate], repeats: int, seed: int, out: Path,
