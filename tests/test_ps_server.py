@@ -200,8 +200,11 @@ def test_a_stalled_stream_is_cancelled_and_holds_up_no_one(tmp_path: Path) -> No
                 break
             except PsError as exc:
                 # Now and then (1 run in 15 here) gRPC Python's client sends every chunk of the retry
-                # but not the stream's end, and the server's stream deadline cancels it, data dropped:
-                # the shard stays uninitialised, and the next try goes through.
+                # but its stream's end late, and the server's stream deadline cancels the call: the
+                # shard has dropped the data (the next try goes through) or, when the end came just
+                # before, holds it (the next try finds it initialised).
+                if "already initialised" in str(exc):
+                    break
                 assert ("being initialised" in str(exc) or "CANCELLED" in str(exc)) and time.monotonic() < deadline, exc
                 time.sleep(0.05)
 
