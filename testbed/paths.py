@@ -1,4 +1,5 @@
-"""Where the Hydra config root lives: ``experiments/`` in a checkout, packaged copy in a wheel."""
+"""Where the Hydra config root lives: ``experiments/`` in a checkout, packaged copy in a wheel; and
+files named relative to the checkout."""
 
 from pathlib import Path
 
@@ -9,3 +10,9 @@ def config_dir() -> str:
         if (candidate / "config.yaml").exists():
             return str(candidate)
     raise FileNotFoundError("testbed: no experiments/config.yaml next to the package")
+
+
+def in_checkout(path: str) -> Path:
+    """``path`` as given, or relative to the checkout (where presets name shipped calibrations)."""
+    given = Path(path)
+    return given if given.is_absolute() or given.exists() else Path(config_dir()).parent / given

@@ -40,7 +40,7 @@ from testbed.data.datasets import spec_for
 from testbed.imbalance import shard_batches
 from testbed.models import build_model, example_input
 from testbed.netem import parse_rate
-from testbed.paths import config_dir
+from testbed.paths import in_checkout
 from testbed.results.summary import summarize
 from testbed.sim import calibrate, codecs
 from testbed.sim.codecs import CodecPlan, Compressed
@@ -168,7 +168,7 @@ def link_for(cfg: Any, impl: str) -> tuple[Link, dict[str, Any]]:
     if sim.calibration:
         name = sim.link or (str(network.bandwidth) if emulated else calibrate.DEFAULT_LINK)
         try:
-            fit = calibrate.lookup(calibrate.load(_in_checkout(sim.calibration)), name, impl)
+            fit = calibrate.lookup(calibrate.load(in_checkout(sim.calibration)), name, impl)
         except (OSError, ValueError) as exc:
             raise config.ConfigError(f"sim.calibration={sim.calibration}: {exc}") from None
         return fit.to_link(), {"source": "calibration", **asdict(fit)}
@@ -255,12 +255,6 @@ def _intra_link(cfg: Any, costing: Any, coded: bool) -> Link:
 def _bucket_ends(cfg: Any, tensors: list[int]) -> list[int]:
     cap = cfg.sync.get("bucket_mb")
     return bucket_ends(tensors, None if cap is None else float(cap) * 2**20)
-
-
-def _in_checkout(path: str) -> Path:
-    """``path`` as given, or relative to the checkout (where presets name shipped calibrations)."""
-    given = Path(path)
-    return given if given.is_absolute() or given.exists() else Path(config_dir()).parent / given
 
 
 def exposed_comm(
@@ -381,7 +375,7 @@ def _plan(cfg: Any, groups: list[list[torch.Size]]) -> CodecPlan | None:
     fits = []
     if cfg.sim.calibration:
         try:
-            fits = calibrate.load_codecs(_in_checkout(cfg.sim.calibration))
+            fits = calibrate.load_codecs(in_checkout(cfg.sim.calibration))
         except (OSError, ValueError) as exc:
             raise config.ConfigError(f"sim.calibration={cfg.sim.calibration}: {exc}") from None
     return codecs.plan(cfg, groups, fits)

@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 
 from testbed import config
 from testbed.checks import ConfigError, require
-from testbed.paths import config_dir
+from testbed.paths import config_dir, in_checkout
 from testbed.tune import space as tune_space
 from testbed.tune import trials
 
@@ -42,16 +42,11 @@ def _check(cfg: DictConfig) -> dict[str, list[Any]]:
     require(tune.budget >= tune.repeats, f"tune.budget={tune.budget}: must be at least tune.repeats={tune.repeats} "
                                          "(real runs: candidates x repeats)")
     require(tune.screen_max >= 1, f"tune.screen_max={tune.screen_max}: must be >= 1")
-    calibration = _in_checkout(tune.calibration)
+    calibration = in_checkout(tune.calibration)
     require(calibration.is_file(), f"tune.calibration={tune.calibration}: no such file (python -m testbed.sim.calibrate writes one)")
     if tune.compute_from:
         require((Path(tune.compute_from) / "summary.json").is_file(), f"tune.compute_from={tune.compute_from}: no job there")
     return tune_space.knobs(tune.space)
-
-
-def _in_checkout(path: str) -> Path:
-    given = Path(path)
-    return given if given.is_absolute() or given.exists() else Path(config_dir()).parent / given
 
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
@@ -71,7 +66,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     cores = os.cpu_count() or 1
     threads = int(cfg.threads_per_rank) or max(1, cores // int(cfg.world_size))
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    calibration = trials.calibration_for(cfg, _in_checkout(tune.calibration), out)
+    calibration = trials.calibration_for(cfg, in_checkout(tune.calibration), out)
     compute_from = tune.compute_from or str(trials.single_worker(base, out, threads))
     sim = {"calibration": str(calibration), "compute_from": compute_from, "cores": cores}
     screened = tune_space.screen(base, knobs, sim, int(tune.screen_max), int(cfg.seed), progress=print)
