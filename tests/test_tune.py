@@ -51,6 +51,7 @@ def test_knobs_that_do_not_apply_merge_candidates_and_the_simulator_ranks_them()
         assert {c.overrides for c in sampled.candidates} <= {c.overrides for c in grid.candidates}
 
 
+@pytest.mark.serial  # a benchmark of the link: two ranks busy for half a minute, kept off the parallel tier
 def test_a_link_the_calibration_lacks_is_benchmarked_and_fitted_first(tmp_path: Path) -> None:
     given = json.loads((Path(config_dir()).parent / "docs/sim/calibration.json").read_text())
     given["fits"] = [f for f in given["fits"] if f["link"] != "loopback"]  # this machine's link, unknown

@@ -16,6 +16,7 @@ from analysis.dashboard import job_updates
 from analysis.load import load, read_offline_run
 
 
+@pytest.mark.serial  # a sweep and its analysis: kept off the parallel tier, whose fault tests keep 10 s deadlines
 def test_offline_runs_mirror_the_jobs_and_the_sweeps_analysis_joins_them(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     proc = run_cli(["-m", "sync=ring", "world_size=1,2", "steps=6", "warmup_steps=1", "wandb.mode=offline",
