@@ -29,8 +29,6 @@ SCALING = ["option", "setting", "world_size", "repeats", "throughput", "throughp
            "efficiency_common", "marginal_speedup", "imbalance", "idle_fraction"]
 TIME_TO_TARGET = ["option", "setting", "world_size", "seed", "time_to_target", "final_loss", "overrides"]
 STEP_COLUMNS = ["overrides", "sync", "world_size", "rank", "step", "loss", "t_step", "t_sync", "t_wait", "bytes_sent"]
-# What the analysis adds to each job run's summary (online): keys analysis.workspace may chart.
-JOB_KEYS = ("efficiency", "speedup", "efficiency_common", "baseline_throughput")
 
 
 @dataclass
