@@ -142,6 +142,15 @@ class Shard:
 
     # --- initialisation -----------------------------------------------------------------------
 
+    def warm_up(self) -> None:
+        """Build and step a throwaway optimizer, before serving: the first one a process builds
+        imports torch._dynamo (2 s here when idle, over 10 s on a loaded machine), which would
+        otherwise fall inside the first InitParams and its client's deadline."""
+        if not self.sums_only:
+            param = torch.nn.Parameter(torch.zeros(1))
+            param.grad = torch.zeros(1)
+            build_optimizer(self.optim_cfg, [param]).step()
+
     def init_params(self, stream: Iterator[Chunk]) -> pb.ShardInfo:
         """The shard's size and first values, streamed outside the lock: a stream that stalls holds
         up nobody (other calls go on, a second InitParams is refused meanwhile)."""
@@ -694,8 +703,16 @@ class Servicer(pb_grpc.ParameterServerServicer):
         timer = threading.Timer(self.stream_timeout_s, context.cancel)  # the stream's next chunk then raises
         timer.daemon = True
         timer.start()
+
+        def stream() -> Iterator[Any]:
+            # The deadline bounds the receiving only: a call cancelled after its stream was taken
+            # in would tell the client CANCELLED while the shard applies it.
+            yield from requests
+            timer.cancel()
+
+        requests_until_end = stream()
         try:
-            return self._guard(context, lambda: call(requests), rest=requests)
+            return self._guard(context, lambda: call(requests_until_end), rest=requests_until_end)
         finally:
             timer.cancel()
 
@@ -808,6 +825,7 @@ def serve(args: argparse.Namespace) -> None:
         shard.checkpoint_dir, shard.checkpoint_every = Path(args.checkpoint_dir), args.checkpoint_every
     if args.restore:
         shard.restore(Path(args.restore))
+    shard.warm_up()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=2 * args.workers + 4, thread_name_prefix=f"ps{args.shard}"),
         interceptors=[TokenInterceptor(token)],
