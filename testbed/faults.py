@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from testbed.results.step_log import flush_open_logs
+
 # The launcher passes the parameter servers' pids to the ranks for kill_ps (a JSON list).
 PS_PIDS_ENV = "TESTBED_PS_PIDS"
 
@@ -50,6 +52,10 @@ class FaultInjector:
             return
         name = self.cfg.name
         if name == "kill_rank":
+            # At the start of the step, after the steps before it: their records are on disk, so
+            # the step the run is reported to fail at is exact (a real crash may lose up to one
+            # flush interval of records).
+            flush_open_logs()
             os.kill(os.getpid(), signal.SIGKILL)
         elif name == "kill_ps":
             pid = json.loads(os.environ[PS_PIDS_ENV])[int(self.cfg.shard)]
