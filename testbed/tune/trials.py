@@ -159,14 +159,15 @@ def write(out: Path, screen: Screen, ranked: list[Measured], facts: dict[str, An
         f"compute from {facts['compute_from']}.", "",
         "## Measured (best first)", "", markdown_table(rows, columns, optional=("time_to_target", "failed")), "",
         "## Screened (predicted, best first)", "",
-        markdown_table(pd.DataFrame([{"knobs": c.label, "predicted": c.predicted, "step ms": 1e3 * c.predicted_step_s}
-                                     for c in screen.ranked()]), {"knobs": "knobs", "predicted": "samples/s", "step ms": "step ms"}), "",
+        markdown_table(pd.DataFrame([{"knobs": c.label, "predicted": c.predicted, "step ms": 1e3 * c.predicted_step_s,
+                                      "fit": c.fit} for c in screen.ranked()]),
+                       {"knobs": "knobs", "predicted": "samples/s", "step ms": "step ms", "fit": "link fit"}), "",
     ]
     if unpredicted:
         lines += ["## Not predicted", "", *(f"- {c.label}: {c.why}" for c in unpredicted), ""]
     (out / "tuning.md").write_text("\n".join(lines))
     (out / "tuning.json").write_text(json.dumps({**facts, "measured": rows.to_dict("records"), "screened": [
-        {"overrides": list(c.overrides), "predicted": c.predicted, "why": c.why} for c in screen.candidates]},
+        {"overrides": list(c.overrides), "predicted": c.predicted, "fit": c.fit, "why": c.why} for c in screen.candidates]},
         indent=2, default=str) + "\n")
     _figure(out / "tuning.png", screen, ranked)
     return text_table(rows, columns, optional=("time_to_target", "failed"))
