@@ -56,7 +56,7 @@ def test_knobs_that_do_not_apply_merge_candidates_and_the_simulator_ranks_them()
         assert {c.overrides for c in sampled.candidates} <= {c.overrides for c in grid.candidates}
 
 
-@pytest.mark.serial  # a benchmark of the link: two ranks busy for half a minute, kept off the parallel tier
+@pytest.mark.serial  # benchmarks of the link: two ranks busy for a minute, kept off the parallel tier
 def test_a_link_the_calibration_lacks_is_benchmarked_and_fitted_first(tmp_path: Path) -> None:
     given = json.loads((Path(config_dir()).parent / "docs/sim/calibration.json").read_text())
     given["fits"] = [f for f in given["fits"] if f["link"] != "loopback"]  # this machine's link, unknown
@@ -71,6 +71,13 @@ def test_a_link_the_calibration_lacks_is_benchmarked_and_fitted_first(tmp_path: 
     assert all(f.beta > 0 for (link, _), f in fits.items() if link == "loopback")
     assert ("1gbit", "ring") in fits and calibrate.load_codecs(fitted) == calibrate.load_codecs(lacking)
     assert trials.calibration_for(cfg, fitted, tmp_path) == fitted  # has the link now: used as it is
+    # A fit the screen had to stand in for (a parameter server's) is benchmarked and added.
+    with_ps = trials.calibration_for(cfg, fitted, tmp_path, frozenset({"ps_k1"}))
+    fits_ps = {(f.link, f.impl): f for f in calibrate.load(with_ps)}
+    added = {("loopback", "ps_k1"), ("loopback", "grpc_raw")}  # the server, and the raw stream it is set against
+    assert set(fits_ps) == set(fits) | added and fits_ps["loopback", "ps_k1"].beta > 0
+    with pytest.raises(ValueError, match="no benchmark measures ps_sparse"):
+        trials.calibration_for(cfg, fitted, tmp_path, frozenset({"ps_sparse"}))
 
 
 @pytest.mark.serial

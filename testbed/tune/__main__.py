@@ -3,7 +3,9 @@
 1. Calibrate: a measured world_size=1 run of the setting (its compute; ``tune.compute_from`` skips
    it) and the link's fits from ``tune.calibration`` (a link it lacks is benchmarked first).
 2. Screen the space in the simulator: every candidate when there are at most ``tune.screen_max``,
-   else that many drawn by Optuna's TPE.
+   else that many drawn by Optuna's TPE. A candidate the calibration can cost only with a stand-in
+   fit (a parameter server on a link benchmarked for all-reduce only) has its own benchmarked and
+   fitted, and the space is screened again.
 3. Measure the best ``budget // repeats`` predicted candidates, ``repeats`` runs each, and rank
    them by the objective: measured throughput, or time to a target loss (the simulator predicts
    time, not loss, so that objective ranks the measured candidates only).
@@ -70,6 +72,12 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     compute_from = tune.compute_from or str(trials.single_worker(base, out, threads))
     sim = {"calibration": str(calibration), "compute_from": compute_from, "cores": cores}
     screened = tune_space.screen(base, knobs, sim, int(tune.screen_max), int(cfg.seed), progress=print)
+    lacking = frozenset(c.lacks for c in screened.candidates if c.lacks)
+    if lacking:  # costed with a stand-in: measure the link for them and screen again
+        print(f"the calibration has no {', '.join(sorted(lacking))} fit for this link: benchmarking it", flush=True)
+        calibration = trials.calibration_for(cfg, calibration, out, lacking)
+        sim["calibration"] = str(calibration)
+        screened = tune_space.screen(base, knobs, sim, int(tune.screen_max), int(cfg.seed), progress=print)
     screen_s = time.perf_counter() - began
     best = screened.ranked()[: max(1, int(tune.budget) // int(tune.repeats))]
     if not best:

@@ -42,6 +42,7 @@ class Candidate:
     predicted_step_s: float = math.nan
     why: str = ""  # why it was not predicted
     fit: str = ""  # the link fit its communication was costed with (a fallback says so); "" if none
+    lacks: str = ""  # the impl the calibration has no fit of on this link (costed with a fallback)
 
     @property
     def label(self) -> str:
@@ -103,27 +104,29 @@ def _text(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def predict(cfg: DictConfig, sim: dict[str, Any]) -> tuple[float, float, str, str]:
-    """(samples/s, step seconds, "", the link fit used) predicted for ``cfg``, or NaNs and why not."""
+def predict(cfg: DictConfig, sim: dict[str, Any], applied: tuple[str, ...]) -> Candidate:
+    """The candidate ``applied`` (composed as ``cfg``) with its predicted samples/s and step time,
+    or NaNs and why not."""
     with open_dict(cfg):
         cfg.sim = OmegaConf.merge(cfg.sim, sim)
     try:  # validated as a run of it would be (on loopback: the simulator builds no network)
         summary = simulate(cfg)
     except ConfigError as exc:
-        return math.nan, math.nan, str(exc), ""
-    return float(summary["throughput"]), float(summary["step_time"]), "", fit_used(summary["sync_facts"])
+        return Candidate(applied, why=str(exc))
+    fit, lacks = fit_used(summary["sync_facts"])
+    return Candidate(applied, float(summary["throughput"]), float(summary["step_time"]), fit=fit, lacks=lacks)
 
 
-def fit_used(facts: dict[str, Any]) -> str:
-    """Which fit the simulator costed the communication with: ``<link>/<impl>``, with the impl it
-    stood in for where the calibration had none of its own (calibrate.lookup's fallback)."""
+def fit_used(facts: dict[str, Any]) -> tuple[str, str]:
+    """(which fit the simulator costed the communication with, ``<link>/<impl>`` with the impl it
+    stood in for where the calibration had none of its own; that impl, else "")."""
     link = facts.get("link")
     if link is None:
-        return ""
+        return "", ""
     if link["source"] != "calibration":
-        return f"nominal {link['rate']}"
+        return f"nominal {link['rate']}", ""
     used = f"{link['link']}/{link['impl']}"
-    return used if link["impl"] == facts["impl"] else f"{used} (for {facts['impl']})"
+    return (used, "") if link["impl"] == facts["impl"] else (f"{used} (for {facts['impl']})", facts["impl"])
 
 
 def screen(base: list[str], space: dict[str, list[Any]], sim: dict[str, Any], screen_max: int, seed: int,
@@ -141,10 +144,9 @@ def screen(base: list[str], space: dict[str, list[Any]], sim: dict[str, Any], sc
             applied = tuple(f"{k}={_text(v)}" for k, v in assignment.items())
             return seen.setdefault(applied, Candidate(applied, why=" ".join(str(exc).split())))
         if applied not in seen:
-            throughput, step_s, why, fit = predict(cfg, sim)
-            seen[applied] = Candidate(applied, throughput, step_s, why, fit)
-            progress(f"[screen {len(seen)}] {seen[applied].label}: "
-                     + (f"{throughput:.1f} samples/s predicted" if not why else f"not predicted ({why.split(';')[0]})"))
+            found = seen[applied] = predict(cfg, sim, applied)
+            progress(f"[screen {len(seen)}] {found.label}: " + (f"{found.predicted:.1f} samples/s predicted" if not found.why
+                                                                else f"not predicted ({found.why.split(';')[0]})"))
         return seen[applied]
 
     if size <= screen_max:

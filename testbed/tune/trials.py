@@ -73,28 +73,51 @@ def single_worker(base: list[str], out: Path, threads: int) -> Path:
     return job
 
 
-def calibration_for(cfg: Any, calibration: Path, out: Path) -> Path:
-    """``calibration``, or, where it has no fit for the setting's link, a copy with one: the link
-    benchmarked first (python -m testbed.bench: native, ring and tree all-reduce at the setting's
-    world size) and fitted (testbed.sim.calibrate; a parameter server falls back to the link's
-    all-reduce fit)."""
+COLLECTIVES = ("native", "ring", "tree", "halving_doubling")  # the impls testbed.bench measures
+BENCH_SIZES = "1M,4M,16M"
+
+
+def calibration_for(cfg: Any, calibration: Path, out: Path, lacking: frozenset[str] = frozenset()) -> Path:
+    """``calibration``, or a copy in ``out/calibration`` with the fits it lacks for the setting's
+    link, benchmarked there first: all-reduce (python -m testbed.bench: native, ring and tree at the
+    setting's world size) where the link has no fit at all, and the impls of ``lacking`` (the
+    screen's fallbacks: testbed.bench for an all-reduce, testbed.bench.ps for ``ps_k<k>``)."""
     emulated = cfg.network.name == "emulated"
     link = cfg.sim.link or (str(cfg.network.bandwidth) if emulated else calibrate.DEFAULT_LINK)
-    if any(f.link == link for f in calibrate.load(calibration)):
+    collectives = {i for i in lacking if i in COLLECTIVES}
+    if not any(f.link == link for f in calibrate.load(calibration)):
+        collectives |= {"native", "ring", "tree"}
+    servers = sorted(int(i.removeprefix("ps_k")) for i in lacking if i.startswith("ps_k"))
+    unknown = sorted(lacking - collectives - {f"ps_k{k}" for k in servers})
+    if unknown:
+        raise ValueError(f"no benchmark measures {', '.join(unknown)}")
+    n, shaped = str(max(2, int(cfg.world_size))), ["--bandwidth", link] if emulated else []
+    benches = []
+    if collectives:
+        benches.append(_bench(out, f"bench-{link}", ["testbed.bench", "--world-sizes", n, "--impls",
+                                                     ",".join(sorted(collectives)), "--sizes", BENCH_SIZES, *shaped]))
+    if servers:
+        benches.append(_bench(out, f"bench-ps-{link}", ["testbed.bench.ps", "--workers", n, "--servers",
+                                                        ",".join(map(str, servers)), "--sizes", BENCH_SIZES, "--no-native", *shaped]))
+    if not benches:
         return calibration
-    bench = out / "calibration" / f"bench-{link}.json"
-    bench.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "testbed.bench", "--world-sizes", str(max(2, int(cfg.world_size))), "--sizes",
-           "1M,4M,16M", "--impls", "native,ring,tree", "--out", str(bench), *(["--bandwidth", link] if emulated else [])]
-    with (out / "logs" / "bench.log").open("w") as log:
-        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(), check=False)
-    if not bench.is_file():
-        raise RuntimeError(f"the benchmark of link {link} failed: see {out / 'logs' / 'bench.log'}")
     sources = json.loads(calibration.read_text()).get("sources", [])
     fitted = out / "calibration" / "calibration.json"
-    calibrate.save(calibrate.load(calibration) + calibrate.fit_records(calibrate.load_records([bench])), fitted,
-                   [*sources, bench], calibrate.load_codecs(calibration))
+    calibrate.save(calibrate.load(calibration) + calibrate.fit_records(calibrate.load_records(benches)), fitted,
+                   [*sources, *benches], calibrate.load_codecs(calibration))
     return fitted
+
+
+def _bench(out: Path, name: str, module_args: list[str]) -> Path:
+    """Run a benchmark (``python -m <module_args>``) into ``out/calibration/<name>.json``."""
+    bench = out / "calibration" / f"{name}.json"
+    bench.parent.mkdir(parents=True, exist_ok=True)
+    with (out / "logs" / f"{name}.log").open("w") as log:
+        subprocess.run([sys.executable, "-m", *module_args, "--out", str(bench)], stdout=log, stderr=subprocess.STDOUT,
+                       env=os.environ.copy(), check=False)
+    if not bench.is_file():
+        raise RuntimeError(f"the benchmark {name} failed: see {out / 'logs' / f'{name}.log'}")
+    return bench
 
 
 def measure(base: list[str], chosen: list[Candidate], repeats: int, seed: int, out: Path,
