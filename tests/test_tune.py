@@ -56,6 +56,16 @@ def test_knobs_that_do_not_apply_merge_candidates_and_the_simulator_ranks_them()
         assert {c.overrides for c in sampled.candidates} <= {c.overrides for c in grid.candidates}
 
 
+@pytest.mark.unit
+def test_measured_candidates_the_runs_cannot_tell_from_the_first_are_named() -> None:
+    first, close, apart, once = (trials.Measured(space.Candidate((f"sync={s}",)), throughput=t) for s, t in
+                                 (("ring", [100.0, 104.0, 96.0]), ("tree", [97.0, 99.0, 95.0]),
+                                  ("ps", [80.0, 81.0, 79.0]), ("ddp", [99.0])))
+    ranked = trials.rank([apart, once, close, first], "throughput")
+    assert ranked[:3] == [first, once, close]
+    assert trials.within_noise(ranked) == [close]  # 98 is 2 from 100, under 4 + 2; a single run has no spread
+
+
 @pytest.mark.serial  # benchmarks of the link: two ranks busy for a minute, kept off the parallel tier
 def test_a_link_the_calibration_lacks_is_benchmarked_and_fitted_first(tmp_path: Path) -> None:
     given = json.loads((Path(config_dir()).parent / "docs/sim/calibration.json").read_text())

@@ -18,10 +18,14 @@ from analysis.load import load, read_offline_run
 
 @pytest.mark.serial  # a sweep and its analysis: kept off the parallel tier, whose fault tests keep 10 s deadlines
 def test_offline_runs_mirror_the_jobs_and_the_sweeps_analysis_joins_them(tmp_path: Path) -> None:
-    sweep = tmp_path / "sweep"
+    sweep, scratch = tmp_path / "sweep", tmp_path / "scratch"
+    scratch.mkdir()
     proc = run_cli(["-m", "sync=ring", "world_size=1,2", "steps=6", "warmup_steps=1", "wandb.mode=offline",
-                    f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env={"WANDB_MODE": None})
+                    f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env={"WANDB_MODE": None, "TMPDIR": str(scratch)})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # W&B's temporary directories removed too (ranks end without the interpreter's exit); torch's
+    # compile cache is a cache, kept on purpose.
+    assert [p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_")] == []
     group = f"{tmp_path.name}/sweep"  # readable: the sweep directory's last two components
     jobs = {read_json(p)["world_size"]: p.parent for p in sweep.glob("*/summary.json")}
     job = jobs[2]

@@ -35,7 +35,7 @@ from testbed.optim import build_optimizer
 from testbed.rank_failure import LOST_PEER_GRACE_S, lost_peer, record_failure
 from testbed.results.step_log import StepLog, flush_open_logs, metrics_path
 from testbed.results.summary import summarize, write_summary
-from testbed.results.wandb_run import WandbRun
+from testbed.results.wandb_run import WandbRun, remove_import_temporaries
 from testbed.seeds import rank_seed
 from testbed.sim.step import communication_bound_s
 from testbed.stall import Arrivals, StallError
@@ -137,6 +137,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
             arrivals.close()
         if tracker:
             tracker.finish(summary)
+            remove_import_temporaries()  # this process ends without the interpreter's exit
         sync.close()
         close_world()
 

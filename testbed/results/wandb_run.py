@@ -13,6 +13,8 @@ or cannot reach its server, one warning is printed and training goes on. ``wandb
 from __future__ import annotations
 
 import logging
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -90,3 +92,13 @@ def summary_metrics(summary: dict[str, Any]) -> dict[str, Any]:
     for phase, spread in (summary.get("phases") or {}).items():
         out[f"phases/{phase}"] = spread.get("median")
     return out
+
+
+def remove_import_temporaries() -> None:
+    """Remove the temporary directories wandb makes when imported (media, artifacts). wandb removes
+    them at interpreter exit, which a rank skips: it ends with os._exit (multiprocessing), and each
+    W&B job left two empty directories in the system's temporary directory."""
+    private, artifact = sys.modules.get("wandb.sdk.data_types._private"), sys.modules.get("wandb.sdk.artifacts.artifact")
+    for made in (getattr(private, "MEDIA_TMP", None), getattr(getattr(artifact, "Artifact", None), "_TMP_DIR", None)):
+        if isinstance(made, tempfile.TemporaryDirectory):
+            made.cleanup()

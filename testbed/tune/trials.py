@@ -169,10 +169,21 @@ def rank(results: list[Measured], objective: str) -> list[Measured]:
     return sorted(results, key=key)
 
 
+def within_noise(ranked: list[Measured]) -> list[Measured]:
+    """The measured candidates after the first whose mean throughput is within the sum of the two
+    standard deviations of the first's: runs cannot tell them apart, and the first may be either."""
+    if not ranked or len(ranked[0].throughput) < 2:
+        return []
+    best = ranked[0].row()
+    return [m for m in ranked[1:] if len(m.throughput) > 1
+            and abs(best["measured"] - m.row()["measured"]) <= best["std"] + m.row()["std"]]
+
+
 def write(out: Path, screen: Screen, ranked: list[Measured], facts: dict[str, Any]) -> str:
     """tuning.md, tuning.json and tuning.png in ``out``; the console table."""
     rows = pd.DataFrame([{"rank": i + 1, **m.row()} for i, m in enumerate(ranked)])
     columns = {"rank": "#", **COLUMNS}
+    tied = [m.candidate.label for m in within_noise(ranked)]
     unpredicted = [c for c in screen.candidates if math.isnan(c.predicted)]
     lines = [
         "# Tuning", "",
@@ -181,6 +192,8 @@ def write(out: Path, screen: Screen, ranked: list[Measured], facts: dict[str, An
         f"({facts['repeats']} runs each) in {facts['measure_s']:.1f} s. Calibration: {facts['calibration']}, "
         f"compute from {facts['compute_from']}.", "",
         "## Measured (best first)", "", markdown_table(rows, columns, optional=("time_to_target", "failed")), "",
+        *([f"Within the noise of #1 (throughput apart by less than their two standard deviations): {'; '.join(tied)}.", ""]
+          if tied else []),
         "## Screened (predicted, best first)", "",
         markdown_table(pd.DataFrame([{"knobs": c.label, "predicted": c.predicted, "step ms": 1e3 * c.predicted_step_s,
                                       "fit": c.fit} for c in screen.ranked()]),
@@ -189,11 +202,11 @@ def write(out: Path, screen: Screen, ranked: list[Measured], facts: dict[str, An
     if unpredicted:
         lines += ["## Not predicted", "", *(f"- {c.label}: {c.why}" for c in unpredicted), ""]
     (out / "tuning.md").write_text("\n".join(lines))
-    (out / "tuning.json").write_text(json.dumps({**facts, "measured": rows.to_dict("records"), "screened": [
+    (out / "tuning.json").write_text(json.dumps({**facts, "measured": rows.to_dict("records"), "within_noise": tied, "screened": [
         {"overrides": list(c.overrides), "predicted": c.predicted, "fit": c.fit, "why": c.why} for c in screen.candidates]},
         indent=2, default=str) + "\n")
     _figure(out / "tuning.png", screen, ranked)
-    return text_table(rows, columns, optional=("time_to_target", "failed"))
+    return text_table(rows, columns, optional=("time_to_target", "failed")) + (f"\nwithin the noise of #1: {'; '.join(tied)}" if tied else "")
 
 
 def _figure(path: Path, screen: Screen, ranked: list[Measured]) -> None:
