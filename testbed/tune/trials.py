@@ -122,22 +122,23 @@ def _bench(out: Path, name: str, module_args: list[str]) -> Path:
 
 def measure(base: list[str], chosen: list[Candidate], repeats: int, seed: int, out: Path,
             progress: Any = print) -> list[Measured]:
-    """``repeats`` runs of each chosen candidate, seeds ``seed``, ``seed + 1``, ..."""
-    results = []
-    for rank, candidate in enumerate(chosen):
-        measured = Measured(candidate)
-        for r in range(repeats):
+    """``repeats`` runs of each chosen candidate, seeds ``seed``, ``seed + 1``, ..., in rounds of
+    one run of each: the machine's drift over minutes (10 % here, more than the gaps between good
+    candidates) then falls on every candidate alike, not on whichever ran last."""
+    results = [Measured(candidate) for candidate in chosen]
+    for r in range(repeats):
+        for rank, measured in enumerate(results):
+            candidate = measured.candidate
             knobs = "_".join(o.replace("=", "-") for o in candidate.overrides) or "given"  # '=' is Hydra's own
             name = short_dirname(f"{rank}_{knobs}_seed{seed + r}", 120)
             job = out / "trials" / name
-            progress(f"[measure {rank + 1}/{len(chosen)}, run {r + 1}/{repeats}] {candidate.label}")
+            progress(f"[measure round {r + 1}/{repeats}, {rank + 1}/{len(chosen)}] {candidate.label}")
             summary = run_job([*base, *candidate.overrides, f"seed={seed + r}"], job, out / "logs" / f"{name}.log")
             measured.jobs.append(job)
             if summary is not None and summary.get("status") == "ok":
                 measured.throughput.append(float(summary["throughput"]))
             else:
                 measured.failed.append((summary or {}).get("error", {}).get("message", "no summary") if summary else "no summary")
-        results.append(measured)
     return results
 
 
