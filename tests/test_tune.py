@@ -50,7 +50,8 @@ def test_knobs_that_do_not_apply_merge_candidates_and_the_simulator_ranks_them()
         # A link without the synchronizer's own fit is costed with its all-reduce fit, and says so.
         emulated = space.screen(["world_size=2", "model.hidden=512", "network=emulated", "network.bandwidth=1gbit"],
                                 {"sync": ["ps"]}, sim, screen_max=100, seed=0)
-        assert [c.fit for c in emulated.candidates] == ["1gbit/native (for ps_k1)"]
+        assert [(c.fit, c.lacks) for c in emulated.candidates] == [("1gbit/native (for ps_k1)", "ps_k1")]
+        assert trials.benchmarked("ps_k1") and trials.benchmarked("tree") and not trials.benchmarked("ps_sparse")
         sampled = space.screen(["world_size=2", "model.hidden=512"], knobs, sim, screen_max=4, seed=0)
         assert sampled.method == "tpe" and 1 <= len(sampled.candidates) <= 4  # Optuna draws, repeats merge
         assert {c.overrides for c in sampled.candidates} <= {c.overrides for c in grid.candidates}

@@ -72,7 +72,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     compute_from = tune.compute_from or str(trials.single_worker(base, out, threads))
     sim = {"calibration": str(calibration), "compute_from": compute_from, "cores": cores}
     screened = tune_space.screen(base, knobs, sim, int(tune.screen_max), int(cfg.seed), progress=print)
-    lacking = frozenset(c.lacks for c in screened.candidates if c.lacks)
+    lacking = frozenset(c.lacks for c in screened.candidates if c.lacks and trials.benchmarked(c.lacks))
     if lacking:  # costed with a stand-in: measure the link for them and screen again
         print(f"the calibration has no {', '.join(sorted(lacking))} fit for this link: benchmarking it", flush=True)
         calibration = trials.calibration_for(cfg, calibration, out, lacking)

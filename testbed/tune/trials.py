@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -77,6 +78,11 @@ COLLECTIVES = ("native", "ring", "tree", "halving_doubling")  # the impls testbe
 BENCH_SIZES = "1M,4M,16M"
 
 
+def benchmarked(impl: str) -> bool:
+    """Whether a benchmark measures ``impl`` (an all-reduce, or a parameter server ``ps_k<k>``)."""
+    return impl in COLLECTIVES or re.fullmatch(r"ps_k\d+", impl) is not None
+
+
 def calibration_for(cfg: Any, calibration: Path, out: Path, lacking: frozenset[str] = frozenset()) -> Path:
     """``calibration``, or a copy in ``out/calibration`` with the fits it lacks for the setting's
     link, benchmarked there first: all-reduce (python -m testbed.bench: native, ring and tree at the
@@ -87,8 +93,8 @@ def calibration_for(cfg: Any, calibration: Path, out: Path, lacking: frozenset[s
     collectives = {i for i in lacking if i in COLLECTIVES}
     if not any(f.link == link for f in calibrate.load(calibration)):
         collectives |= {"native", "ring", "tree"}
-    servers = sorted(int(i.removeprefix("ps_k")) for i in lacking if i.startswith("ps_k"))
-    unknown = sorted(lacking - collectives - {f"ps_k{k}" for k in servers})
+    servers = sorted(int(i.removeprefix("ps_k")) for i in lacking if i.startswith("ps_k") and benchmarked(i))
+    unknown = sorted(i for i in lacking if not benchmarked(i))
     if unknown:
         raise ValueError(f"no benchmark measures {', '.join(unknown)}")
     n, shaped = str(max(2, int(cfg.world_size))), ["--bandwidth", link] if emulated else []
