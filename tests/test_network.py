@@ -44,7 +44,7 @@ def test_ring_busbw_is_the_link_rate(tmp_path: Path, rate: str, size: str) -> No
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, "-m", "testbed.bench", "--world-sizes", "2", "--sizes", size, "--impls", "ring,native",
-         "--iters", "4", "--bandwidth", rate, "--out", str(out)],
+         "--iters", "8", "--bandwidth", rate, "--out", str(out)],
         capture_output=True, text=True, env=cli_env(), timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -52,7 +52,7 @@ def test_ring_busbw_is_the_link_rate(tmp_path: Path, rate: str, size: str) -> No
     line_rate = parse_rate(rate) / 8  # bytes/s
     assert all(r["correct"] and r["link"] == rate for r in records.values())
     # The link's rate is what its best iterations reach; the median also carries the scheduling
-    # noise of ranks sharing two cores.
+    # noise of ranks sharing two cores (on a loaded machine, none of 4 iterations reached 0.9).
     ring = records["ring"]
     best = ring["busbw"] * ring["time_s"] / ring["time_min_s"]
     assert 0.9 * line_rate <= best <= 1.02 * line_rate

@@ -104,12 +104,15 @@ def test_the_tuner_picks_what_a_measured_grid_ranks_first_or_one_within_its_nois
     measured = load_summaries([tuning / "trials"])  # normal job directories, as analysis reads them
     assert len(measured) == 2 and all(s["status"] == "ok" for s in measured)
     assert best in [[o for o in s["overrides"] if o.startswith(("sync=", "compress="))] for s in measured]
-    # The full grid, measured: every screened candidate once (python -m testbed.tune.grid).
-    proc = run_cli([str(tuning), "--repeats", "1"], cwd=tmp_path, module="testbed.tune.grid", timeout=600)
+    # The full grid, measured: every screened candidate twice (python -m testbed.tune.grid), so that
+    # one run the machine disturbed (CI once measured a candidate at half its pace) shows as noise.
+    proc = run_cli([str(tuning), "--repeats", "2"], cwd=tmp_path, module="testbed.tune.grid", timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     verdict = read_json(tuning / "grid.json")
     grid = {row["knobs"]: row["measured"] for row in verdict["grid"]}
-    assert len(grid) == 4 and len(load_summaries([tuning / "grid" / "trials"])) == 4
+    assert len(grid) == 4 and len(load_summaries([tuning / "grid" / "trials"])) == 8
     assert verdict["pick"] == " ".join(best) and verdict["pick_measured"] == grid[verdict["pick"]]
     assert verdict["best_measured"] == max(grid.values()) and verdict["grid_s"] > 0 and (tuning / "grid.md").is_file()
-    assert verdict["pick_over_best"] >= 0.8, verdict  # two cores: runs of one config spread by ~20 %
+    assert verdict["repeats"] == 2 and all(row["runs"] == 2 for row in verdict["grid"])
+    assert (verdict["pick"] == verdict["best"] or verdict["pick"] in verdict["within_noise_of_best"]
+            or verdict["pick_over_best"] >= 0.8), verdict  # two cores: runs of one config spread by ~20 %
