@@ -64,7 +64,7 @@ def test_a_killed_parameter_server_is_reported(tmp_path: Path) -> None:
     summary, job, _ = failed_job(tmp_path, ["world_size=2", "sync=ps", "sync.servers=2", "fault=kill_ps", "fault.shard=1",
                                             "fault.step=5"])
     error = summary["error"]
-    assert error["kind"] == "parameter_server" and "ps shard 1" in error["message"], error
+    assert error["kind"] == "parameter_server" and error["shard"] == 1 and "ps shard 1" in error["message"], error
     assert error["step"] in (4, 5)  # the peer may still be pulling step 4 when rank 0 kills the shard
     assert_nothing_left(job)
 
@@ -156,6 +156,7 @@ def test_a_chaos_sweep_ends_every_job_as_its_fault_says(tmp_path: Path) -> None:
             kind, rank, at = expected
             if fault["name"] == "kill_ps":  # every worker loses the server: whichever reports first is named
                 rank = error["rank"] if error["rank"] in (0, 1) else rank
+                assert error["shard"] == fault["shard"], (job.name, error)
             assert summary["status"] == "failed" and (error["kind"], error["rank"]) == (kind, rank), (job.name, error)
             # The steps every rank recorded: a peer may still be finishing the step before when the
             # fault strikes, and under load a peer stopped in a call may lose its last unflushed records.

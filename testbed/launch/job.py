@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import sys
 import time
@@ -234,11 +235,16 @@ def _record_failure(
 
 def failure_cause(message: str, rank: int | None, stall: dict[str, Any] | None) -> dict[str, Any]:
     """What failed and where: ``kind`` and the rank to blame (for a stall, the first that did not
-    arrive rather than the one that reported it). Peers of a rank that died may report a stall too,
-    later: only a stall that is itself the first failure counts."""
+    arrive rather than the one that reported it; for a parameter server, also its ``shard``). Peers
+    of a rank that died may report a stall too, later: only a stall that is itself the first failure
+    counts."""
     if stall is not None and message.startswith("StallError"):
         return {"message": message, "rank": stall["missing"][0], "kind": "stall", "missing": stall["missing"],
                 "reporter": stall["reporter"]}
+    if rank is not None and message.startswith("PsError"):
+        # Every worker loses a dead shard and whichever reports first is the rank: the shard is the cause.
+        shard = re.search(r"ps shard (\d+) at ", message)
+        return {"message": message, "rank": rank, "kind": "parameter_server", "shard": int(shard[1]) if shard else None}
     if message.startswith("stopped by"):
         kind = "stopped"
     elif rank is None:
@@ -247,8 +253,6 @@ def failure_cause(message: str, rank: int | None, stall: dict[str, Any] | None) 
         kind = "killed"
     elif message.startswith("NonFiniteLoss"):
         kind = "nonfinite_loss"
-    elif message.startswith("PsError"):
-        kind = "parameter_server"
     elif "timed out" in message.lower() or "timeout" in message.lower():
         kind = "timeout"
     else:
