@@ -93,10 +93,10 @@ def calibration_for(cfg: Any, calibration: Path, out: Path, lacking: frozenset[s
     collectives = {i for i in lacking if i in COLLECTIVES}
     if not any(f.link == link for f in calibrate.load(calibration)):
         collectives |= {"native", "ring", "tree"}
-    servers = sorted(int(i.removeprefix("ps_k")) for i in lacking if i.startswith("ps_k") and benchmarked(i))
     unknown = sorted(i for i in lacking if not benchmarked(i))
     if unknown:
         raise ValueError(f"no benchmark measures {', '.join(unknown)}")
+    servers = sorted(int(i.removeprefix("ps_k")) for i in lacking if i not in COLLECTIVES)
     n, shaped = str(max(2, int(cfg.world_size))), ["--bandwidth", link] if emulated else []
     benches = []
     if collectives:
