@@ -22,8 +22,11 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from testbed.batch import per_rank_batch
 from testbed.checks import ConfigError, enum_value, require, resolved_backend, resolved_device
 from testbed.compress import CODECS
-from testbed.data.datasets import DATA_KINDS
-from testbed.data.loader import TOKEN_DTYPES, WORKER_STARTS, TokenFile
+from testbed.data.kinds import DATA_KINDS, data_kind, heldout_of
+from testbed.data.loader import WORKER_STARTS
+from testbed.eval.config import EvalConfig, TargetConfig, check_eval
+from testbed.eval.metrics import metrics_of
+from testbed.eval.schedule import check_schedule
 from testbed.optim import SCHEMAS as OPTIM_SCHEMAS
 from testbed.paths import config_dir
 from testbed.sync import SYNCHRONIZERS
@@ -66,6 +69,14 @@ class CnnConfig:
     name: str = "cnn"
     width: int = 16  # channels of the first stage; stage i has width * 2**i
     blocks: list[int] = field(default_factory=lambda: [1, 1, 1])  # residual blocks per stage
+
+
+@dataclass
+class Cnn1dConfig:
+    """MNIST-1D's convolutional network (testbed.models.cnn1d); it reads any input as one signal."""
+
+    name: str = "cnn1d"
+    channels: int = 25
 
 
 @dataclass
@@ -130,14 +141,17 @@ class DataConfig:
     name: str = MISSING
     batch_size: int = 32
     scaling: Scaling = Scaling.weak
-    num_samples: int = 4096  # synthetic data sets are materialised once per rank
+    num_samples: int = 4096  # synthetic data sets and mnist1d are materialised once per rank
+    val_samples: int = 1024  # synthetic, lm: held-out samples drawn from the same teacher or chain
     shape: list[int] = field(default_factory=lambda: [3, 16, 16])  # classification inputs
     num_classes: int = 10
     vocab_size: int = 256  # language-model data (tokens: the tokenizer's vocabulary)
     seq_len: int = 64
     image_size: int = 224  # image_folder, synthetic_images: inputs are 3 x image_size x image_size
     root: str | None = None  # image_folder: one folder per class (the ImageNet layout)
+    val_root: str | None = None  # image_folder: the held-out images (ImageNet's val/), the same classes
     path: str | None = None  # tokens: a flat binary token file (nanoGPT's train.bin)
+    val_path: str | None = None  # tokens: the held-out token file (nanoGPT's val.bin)
     dtype: str = "uint16"  # tokens: uint16 | uint32
     # The input pipeline of file data sets (torch.utils.data.DataLoader, testbed.data.loader).
     num_workers: int = 0  # decoding processes per rank; 0: in the rank's own process
@@ -381,6 +395,8 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resume: str | None = None  # a job directory whose latest checkpoint this run continues
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
     sim: SimConfig = field(default_factory=SimConfig)
     tune: TuneConfig = field(default_factory=TuneConfig)
 
@@ -391,6 +407,7 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "model": {
         "mlp": MlpConfig,
         "cnn": CnnConfig,
+        "cnn1d": Cnn1dConfig,
         "transformer": TransformerConfig,
         "resnet18": ResNetConfig,
         "resnet50": ResNetConfig,
@@ -522,31 +539,21 @@ def validate(cfg: DictConfig, local_world_size: int | None = None, simulated: bo
 
 def _validate_data(cfg: DictConfig) -> None:
     data = cfg.data
-    if data.name in ("synthetic", "lm"):
-        require(data.num_samples >= 1, f"data.num_samples={data.num_samples}: must be >= 1")
     require(all(d >= 1 for d in data.shape), f"data.shape={list(data.shape)}: every dimension must be >= 1")
-    if data.name in ("synthetic_images", "image_folder"):
-        require(data.image_size >= 1, f"data.image_size={data.image_size}: must be >= 1 (pixels per side)")
-    if data.name == "tokens":
-        require(data.dtype in TOKEN_DTYPES, f"data.dtype={data.dtype}: allowed: {'|'.join(TOKEN_DTYPES)}")
-        require(data.vocab_size >= 2, f"data.vocab_size={data.vocab_size}: the token file's vocabulary, >= 2")
-        try:  # the file's size against dtype and seq_len: a stat, not a read
-            TokenFile(str(data.path), data.seq_len, data.dtype)
-        except ValueError as exc:
-            raise ConfigError(f"{exc}; data=tokens reads a flat {data.dtype} token file (nanoGPT's train.bin)") from None
-    if data.name in ("image_folder", "tokens"):
+    kind = data_kind(data.name)
+    kind.check(data)
+    if kind.loader:
         require(data.num_workers >= 0, f"data.num_workers={data.num_workers}: must be >= 0 (0: load in the rank)")
         require(data.prefetch_factor >= 1, f"data.prefetch_factor={data.prefetch_factor}: must be >= 1")
         require(data.worker_start in WORKER_STARTS,
                  f"data.worker_start={data.worker_start}: allowed: {'|'.join(WORKER_STARTS)} (fork breaks gRPC channels)")
         require(not data.pin_memory or resolved_device(cfg) == "cuda", "data.pin_memory=true is for CUDA; drop it on CPU")
-    if data.name == "synthetic_images":
-        require(data.num_classes >= 1, f"data.num_classes={data.num_classes}: must be >= 1")
+    check_schedule(cfg, kind.train_size(data))
 
 
 def _validate_model(cfg: DictConfig) -> None:
     """The model reads the data: its kind matches, and one forward pass on the meta device fits."""
-    from testbed.data.datasets import spec_for
+    from testbed.data import spec_for
     from testbed.models import check_fits, model_kind
 
     try:
@@ -557,7 +564,7 @@ def _validate_model(cfg: DictConfig) -> None:
              "model=custom needs model.target=<module.attr> of an nn.Module class or factory (e.g. torch.nn.Linear)")
     kind = model_kind(cfg.model.name)
     if kind.reads is not None:
-        readers = [d for d, reads in DATA_KINDS.items() if reads == kind.reads]
+        readers = [d for d, data in DATA_KINDS.items() if data.reads == kind.reads]
         require(spec.kind == kind.reads,
                  f"model={cfg.model.name} cannot read data={cfg.data.name}; allowed: data={'|'.join(readers)}")
     if kind.language:
@@ -574,6 +581,7 @@ def _validate_model(cfg: DictConfig) -> None:
     require(not cfg.sync_bn or resolved_device(cfg) == "cuda",
              "sync_bn=true: torch's SyncBatchNorm runs on CUDA only; use buffers=broadcast|average on CPU")
     require(cfg.peak_tflops is None or cfg.peak_tflops > 0, f"peak_tflops={cfg.peak_tflops}: must be > 0 or null")
+    check_eval(cfg, heldout_of(cfg.data), metrics_of(spec))
     try:
         check_fits(cfg.model, spec)
     except ValueError as exc:

@@ -10,7 +10,21 @@ import torch
 
 
 @dataclass
-class SgdConfig:
+class LrScheduleConfig:
+    """The learning-rate schedule every synchronizer follows (testbed.eval.schedule)."""
+
+    lr_scaling: str = "none"  # none | linear | sqrt: optim.lr times (global batch / base_batch), or its root
+    base_batch: int | None = None  # the global batch optim.lr is tuned for; null: data.batch_size
+    warmup_steps: int = 0  # gradual warmup to the (scaled) rate over this many steps ...
+    warmup_epochs: float = 0.0  # ... or epochs of the training data (Goyal et al.: 5)
+    schedule: str = "constant"  # constant | cosine | step (after warmup)
+    min_lr: float = 0.0  # cosine: the rate at the last step
+    milestones: list[int] = field(default_factory=list)  # step: the steps at which the rate is multiplied by gamma
+    gamma: float = 0.1
+
+
+@dataclass
+class SgdConfig(LrScheduleConfig):
     name: str = "sgd"
     lr: float = 0.05
     momentum: float = 0.9
@@ -19,7 +33,7 @@ class SgdConfig:
 
 
 @dataclass
-class AdamWConfig:
+class AdamWConfig(LrScheduleConfig):
     name: str = "adamw"
     lr: float = 1e-3
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])

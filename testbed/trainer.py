@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 from testbed.buffers import BufferSync
 from testbed.data import BatchSource
+from testbed.eval.evaluate import Evaluator
+from testbed.eval.schedule import LrSchedule
 from testbed.faults import FaultInjector, NonFiniteLoss
 from testbed.imbalance import Injector
 from testbed.results.step_log import StepLog
@@ -55,6 +57,8 @@ class Trainer:
         start_step: int = 0,
         after_step: Callable[[int], None] | None = None,
         buffers: BufferSync | None = None,
+        schedule: LrSchedule | None = None,
+        evaluator: Evaluator | None = None,
     ) -> None:
         # The model is the synchronizer's (sync.module): a wrapper such as DDP may stand in front of it.
         self.optimizer, self.sync, self.batches = optimizer, sync, batches
@@ -71,6 +75,9 @@ class Trainer:
         self.start_step = start_step  # > 0 when resuming from a checkpoint (testbed.checkpoint)
         self.after_step = after_step  # e.g. the periodic checkpoint, called with each completed step
         self.buffers = buffers  # BatchNorm's statistics, made equal when the replicas agree (testbed.buffers)
+        self.schedule = schedule  # the learning rate of every step (testbed.eval.schedule); None: optim.lr
+        self.evaluator = evaluator  # held-out evaluation every eval.every steps, and the target (testbed.eval)
+        self.began = time.perf_counter()  # the run's clock (MLPerf's: it never stops, evaluation included)
 
     def run(self) -> list[dict[str, Any]]:
         device, world, sync = self.world.device, self.world, self.sync
@@ -81,11 +88,12 @@ class Trainer:
         last_compute: float | None = None
         # Each micro-batch's mean counts 1/k: the window's gradient is that of its whole batch.
         scale = self.loss_weight / k
-        began = time.perf_counter()
+        self.began = began = time.perf_counter()
         sync.module.train()
         for step in range(self.start_step, self.steps):
             if self.fault is not None:
                 self.fault.before_step(step)
+            lr = self._set_lr(step)
             clock.start()
             losses, samples = [], 0
             for micro in range(k):
@@ -140,6 +148,7 @@ class Trainer:
                 "bytes_recv": report.bytes_recv,
                 "t_sync_enter": times.sync_enter,
                 "t_sync_exit": times.sync_exit,
+                "lr": lr,
             }
             last_compute = real_compute_time(record)
             if report.staleness is not None:
@@ -156,7 +165,26 @@ class Trainer:
                 self.after_step(step)
             if world.is_main and ((step + 1) % self.log_every == 0 or step + 1 == self.steps):
                 self._progress(step, record, time.perf_counter() - began)
+            if self.evaluator is not None and self.evaluator.due(step):
+                row = self.evaluator.evaluate(sync, step, time.perf_counter() - began)
+                if world.is_main:
+                    log.info("eval after step %d: %s", step + 1, _metrics_line(row))
+                if self.evaluator.stop_now():
+                    if world.is_main:
+                        log.info("target %s reached after step %d: every rank stops", self.evaluator.target.describe(),
+                                 step + 1)
+                    break
         return records
+
+    def _set_lr(self, step: int) -> float:
+        """This step's learning rate on the optimizer, before anything steps it (a synchronizer that
+        steps its own, local SGD, reads it there; parameter servers follow the same schedule)."""
+        if self.schedule is None:
+            return float(self.optimizer.param_groups[0]["lr"])
+        lr = self.schedule.lr_at(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
 
     def _synchronize(self, step: int, boundary: bool) -> SyncReport:
         if self.arrivals is None or not boundary:
@@ -179,3 +207,8 @@ class Trainer:
             "[%-20s] step %d/%d  loss %.4f  step %.1f ms  sync %.1f ms  elapsed %.1fs  eta %.1fs",
             bar, done, self.steps, record["loss"], 1e3 * record["t_step"], 1e3 * record["t_sync"], elapsed, eta,
         )
+
+
+def _metrics_line(row: dict[str, Any]) -> str:
+    keys = ("loss", "accuracy", "top5", "perplexity")
+    return "  ".join(f"{k} {row[k]:.4f}" for k in keys if k in row) + f"  ({row['model']}, {1e3 * row['t_eval']:.0f} ms)"

@@ -11,7 +11,7 @@ from conftest import read_json, run_cli
 from hydra import compose, initialize_config_dir
 
 from testbed.checks import ConfigError
-from testbed.data.datasets import load_dataset
+from testbed.data import spec_for
 from testbed.models import build_model, gradient_bytes
 from testbed.paths import config_dir
 from testbed.results.summary import load_summaries
@@ -37,7 +37,7 @@ def cfg_of(overrides: list[str]):
 
 def test_gradient_sizes_come_from_the_model_without_building_it() -> None:
     cfg = cfg_of(["model=cnn"])
-    _, _, spec = load_dataset(cfg.data, 0)
+    spec = spec_for(cfg.data)
     real = build_model(cfg.model, spec)
     assert sum(gradient_tensors(cfg)) == gradient_bytes(real)
     # In the order backward produces them: the last layer's first.

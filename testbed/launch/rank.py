@@ -26,10 +26,13 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from testbed import checkpoint, config
 from testbed.buffers import BufferSync
-from testbed.data import build_data
+from testbed.data import build_data, build_heldout, data_kind, heldout_of
+from testbed.eval.config import evaluates
+from testbed.eval.evaluate import Evaluator
+from testbed.eval.schedule import schedule_of
 from testbed.faults import FaultInjector
 from testbed.imbalance import Injector, loss_weight, shard_batches
-from testbed.models import build_model, gradient_bytes, objective_batches, workload_facts
+from testbed.models import build_model, gradient_bytes, model_heldout, objective_batches, workload_facts
 from testbed.netem import enter_rank_namespace
 from testbed.optim import build_optimizer
 from testbed.rank_failure import LOST_PEER_GRACE_S, lost_peer, record_failure
@@ -77,6 +80,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
         torch.manual_seed(cfg.seed)  # identical initial replicas on every rank
         sizes = shard_batches(cfg)
         spec, data = build_data(cfg.data, sizes, world.rank, cfg.seed, world.device)
+        steps_per_epoch = data.describe().get("steps_per_epoch")
         batches = objective_batches(cfg.model, data, spec, cfg.seed, world.rank)
         model = build_model(cfg.model, spec).to(world.device)
         if cfg.sync_bn:
@@ -98,6 +102,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
         step_log = StepLog(metrics_path(Path(job_dir), world.rank))
         for record in earlier:
             step_log.write(record)
+        evaluator = _evaluator(cfg, spec, world, Path(job_dir), steps_per_epoch, sum(sizes) * int(cfg.sync.accumulate))
         trainer = Trainer(
             optimizer, sync, batches, world, step_log, cfg.steps,
             bf16=cfg.precision == "bf16", log_every=cfg.log_every, injector=injector,
@@ -108,6 +113,8 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
             arrivals=arrivals,
             start_step=resumed, buffers=buffers if buffers.flats else None,
             after_step=_checkpointer(cfg, Path(job_dir), world.rank, model, optimizer, injector, step_log),
+            schedule=schedule_of(cfg, data_kind(cfg.data.name).train_size(cfg.data)),
+            evaluator=evaluator,
         )
         if state is not None:
             checkpoint.restore_rng(state, injector.rng)
@@ -124,6 +131,12 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
             buffers.sync()  # the final model's buffers, whatever the last step was
         facts = {"workload": workload_facts(cfg.model, spec, model), "buffers": buffers.describe(),
                  "data": batches.describe()}
+        if evaluator is not None:
+            last = records[-1]["step"] if records else -1
+            if evaluator.at_end and (not evaluator.rows or evaluator.rows[-1]["step"] != last):
+                evaluator.evaluate(sync, last, time.perf_counter() - trainer.began)
+            facts["eval"] = evaluator.summary()
+            evaluator.close()
         bound = communication_bound_s(cfg) if world.is_main else None
         summary = _finish(plain_cfg, world, model, sync, step_log, records, Path(job_dir), facts, bound)
         return summary
@@ -172,6 +185,16 @@ def _finish(
                         comm_bound_s=comm_bound_s)
     write_summary(job_dir, summary)
     return summary
+
+
+def _evaluator(cfg: Any, spec: Any, world: World, job_dir: Path, steps_per_epoch: float | None,
+               global_batch: int) -> Evaluator | None:
+    """Held-out evaluation, where the data has a held-out split and the run asks for any."""
+    if not evaluates(cfg, heldout_of(cfg.data)):
+        return None
+    heldout = model_heldout(cfg.model, build_heldout(cfg.data, cfg.seed), spec, cfg.seed)
+    autocast = torch.autocast(device_type=world.device.type, dtype=torch.bfloat16) if cfg.precision == "bf16" else None
+    return Evaluator(cfg, heldout, spec, world, job_dir, global_batch, steps_per_epoch, autocast)
 
 
 def _checkpointer(

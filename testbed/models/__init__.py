@@ -18,8 +18,9 @@ from torch import nn
 
 from testbed.data import DataSpec
 from testbed.models.cnn import ResNet as SmallResNet
+from testbed.models.cnn1d import Cnn1d
 from testbed.models.custom import build_custom
-from testbed.models.language import MaskedTokens, build_bert, build_gpt2, flops_per_token
+from testbed.models.language import MaskedHeldOut, MaskedTokens, build_bert, build_gpt2, flops_per_token
 from testbed.models.mlp import Mlp
 from testbed.models.resnet import resnet
 from testbed.models.transformer import Gpt
@@ -33,6 +34,8 @@ class ModelKind:
     language: bool = False  # a language model: throughput in tokens, MFU from flops_per_token
     # Wraps the data's batch stream in the model's own objective (BERT's masking); None: as is.
     objective: Callable[..., Any] | None = None
+    # The same objective over the held-out split (testbed.eval), alike on every rank; None: as is.
+    heldout_objective: Callable[..., Any] | None = None
 
 
 def _resnet(depth: int) -> Callable[[Any, DataSpec], nn.Module]:
@@ -47,6 +50,7 @@ MODELS: dict[str, ModelKind] = {
     "mlp": ModelKind(lambda cfg, spec: Mlp(spec.input_numel, spec.num_classes, cfg.hidden, cfg.depth), "classification"),
     "cnn": ModelKind(lambda cfg, spec: SmallResNet(spec.shape[0], spec.num_classes, cfg.width, list(cfg.blocks)),
                      "classification"),
+    "cnn1d": ModelKind(lambda cfg, spec: Cnn1d(spec.input_numel, spec.num_classes, cfg.channels), "classification"),
     "transformer": ModelKind(lambda cfg, spec: Gpt(spec.vocab_size, spec.seq_len, cfg.d_model, cfg.n_layer, cfg.n_head),
                              "lm", language=True),
     "resnet18": ModelKind(_resnet(18), "classification"),
@@ -55,7 +59,7 @@ MODELS: dict[str, ModelKind] = {
     "vgg16": ModelKind(lambda cfg, spec: vgg16(spec.num_classes, spec.shape[0], cfg.width, cfg.hidden, cfg.dropout),
                        "classification"),
     "gpt2": ModelKind(build_gpt2, "lm", language=True),
-    "bert": ModelKind(build_bert, "lm", language=True, objective=MaskedTokens),
+    "bert": ModelKind(build_bert, "lm", language=True, objective=MaskedTokens, heldout_objective=MaskedHeldOut),
     "custom": ModelKind(build_custom, None),
 }
 
@@ -74,6 +78,12 @@ def objective_batches(cfg: Any, batches: Any, spec: DataSpec, seed: int, rank: i
     """The batch stream the model trains on: BERT masks its tokens; the others read the data as is."""
     objective = model_kind(cfg.name).objective
     return batches if objective is None else objective(batches, cfg, spec.vocab_size, seed, rank)
+
+
+def model_heldout(cfg: Any, heldout: Any, spec: DataSpec, seed: int) -> Any:
+    """The held-out split the model is evaluated on: BERT masks it; the others read it as is."""
+    objective = model_kind(cfg.name).heldout_objective
+    return heldout if objective is None else objective(heldout, cfg, spec.vocab_size, seed)
 
 
 def example_input(spec: DataSpec, batch: int, device: str | torch.device) -> torch.Tensor:

@@ -85,6 +85,10 @@ class MaskedTokens:
     def batch(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, _ = self.batches.batch(i)  # the next-token targets are not this objective's
         gen = torch.Generator().manual_seed((self.seed * 1_000_003 + self.rank) * 1_000_003 + i)
+        return self.mask(tokens, gen)
+
+    def mask(self, tokens: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs with the chosen positions masked, and targets only there."""
         draw = torch.rand(tokens.shape, generator=gen).to(tokens.device)
         chosen = draw < self.prob
         inputs = tokens.clone()
@@ -92,6 +96,24 @@ class MaskedTokens:
         randomised = (draw >= 0.8 * self.prob) & (draw < 0.9 * self.prob)
         inputs[randomised] = torch.randint(0, self.vocab_size, tokens.shape, generator=gen).to(tokens.device)[randomised]
         return inputs, torch.where(chosen, tokens, torch.full_like(tokens, IGNORE))
+
+
+class MaskedHeldOut:
+    """BERT's held-out split: each sequence masked by a generator seeded by its position alone, so
+    the masks do not depend on how many ranks share the evaluation."""
+
+    def __init__(self, heldout: Any, cfg: Any, vocab_size: int, seed: int) -> None:
+        self.heldout, self.seed = heldout, seed
+        self.masker = MaskedTokens(None, cfg, vocab_size, seed, rank=0)
+
+    def __len__(self) -> int:
+        return len(self.heldout)
+
+    def take(self, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, _ = self.heldout.take(positions)
+        masked = [self.masker.mask(row[None], torch.Generator().manual_seed(self.seed * 1_000_003 + p))
+                  for row, p in zip(tokens, positions)]
+        return torch.cat([m[0] for m in masked]), torch.cat([m[1] for m in masked])
 
     def describe(self) -> dict[str, Any]:
         return {**self.batches.describe(), "mask_prob": self.prob}

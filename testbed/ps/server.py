@@ -53,6 +53,7 @@ from omegaconf import OmegaConf
 
 from testbed.compress import build_codec
 from testbed.compress.codec import PayloadCodec
+from testbed.eval.schedule import LrSchedule
 from testbed.optim import SgdConfig, build_optimizer
 from testbed.ps import parameter_server_pb2 as pb
 from testbed.ps import parameter_server_pb2_grpc as pb_grpc
@@ -106,6 +107,9 @@ class Shard:
         self.delivered = [0] * workers  # summation-only: partitions each worker has pushed this step
         self.summed = 0  # summation-only: partitions of the step in progress summed
         self.optim_cfg, self.chunk_bytes = optim_cfg, chunk_bytes
+        # The workers' learning-rate schedule (testbed.eval.schedule), resolved by the launcher into
+        # the optim config; without one (a server started by hand from an older config), optim.lr.
+        self.schedule = LrSchedule.of_optim(optim_cfg)
         self.compress, self.seed = compress, seed
         self.codecs: list[PayloadCodec] | None = None  # one per worker, built with the parameters
         # compress.pull: the encoded update since what each worker holds (sync: one for all, made
@@ -427,13 +431,18 @@ class Shard:
             grad.add_(more)
         return grad.div_(self.workers)
 
-    def _step(self, block: int, workers: range | list[int]) -> None:
+    def _step(self, block: int, workers: range | list[int], step: int) -> None:
+        """Apply block ``block`` of the workers' step ``step`` (0-based: the pushing worker's clock
+        before this push), at the learning rate the run's schedule gives that step."""
         for part in self.blocks[block]:
             grad = self._gradient(part, workers)  # a summation-only shard's lands in its values: done
             if self.optimizers:
                 self.part_params[part].grad = grad
         if self.optimizers:
-            self.optimizers[block].step()
+            optimizer = self.optimizers[block]
+            for group in optimizer.param_groups:
+                group["lr"] = self.schedule.lr_at(step)
+            optimizer.step()
 
     def _commit(self, worker: int, base: int, received: list[torch.Tensor]) -> pb.PushReply:
         assert self.params is not None
@@ -454,7 +463,7 @@ class Shard:
                 staleness = self.version - base
                 start = time.perf_counter()
                 for block in range(len(self.blocks)):
-                    self._step(block, [worker])
+                    self._step(block, [worker], self.clocks[worker] - 1)
                 self.staged[worker] = []
                 self.apply_seconds += time.perf_counter() - start
                 self.version += 1
@@ -473,10 +482,11 @@ class Shard:
         while True:
             with self.cond:
                 self.cond.wait_for(lambda: not self._updated())
+                step = self.version - 1  # the step every worker pushed
             start = time.perf_counter()
             try:
                 for block in range(len(self.blocks)):
-                    self._step(block, everyone)
+                    self._step(block, everyone, step)
                     with self.cond:
                         self.applied = self.blocks[block].stop
                         if self._updated():
@@ -867,7 +877,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, required=True, help="number of workers that will push")
     parser.add_argument("--mode", choices=MODES, default="sync")
     parser.add_argument("--staleness", type=int, default=STALENESS, help="ssp bound s")
-    parser.add_argument("--optim", default=json.dumps(asdict(SgdConfig())), help="the trainer's optim config as JSON")
+    parser.add_argument("--optim", default=json.dumps(asdict(SgdConfig())), help="the trainer's optim config as JSON, with its resolved lr_schedule (testbed.eval.schedule)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless set)")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     parser.add_argument("--port-file", default="", help="write the bound port here once serving")

@@ -14,7 +14,7 @@ STEP_FIELDS = (
     "step", "rank", "samples", "loss",
     "t_data", "t_injected", "t_forward", "t_backward", "t_sync", "t_wait", "t_comm", "t_encode", "t_decode",
     "t_optimizer", "t_step",
-    "bytes_sent", "bytes_recv", "t_sync_enter", "t_sync_exit",
+    "bytes_sent", "bytes_recv", "t_sync_enter", "t_sync_exit", "lr",
 )
 
 

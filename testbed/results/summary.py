@@ -159,6 +159,9 @@ def summarize(
         summary["buffers"] = per_rank[0].get("buffers")
         summary["data"] = per_rank[0].get("data")
         summary.update(workload_throughput(summary["throughput"], per_rank[0].get("workload"), cfg, per_rank[0]["device"]))
+        # Held-out evaluation (testbed.eval): the metrics are all-reduced, so rank 0's are everyone's.
+        summary["eval"] = (per_rank[0].get("eval") or {}).get("eval")
+        summary["time_to_target"] = (per_rank[0].get("eval") or {}).get("time_to_target")
         summary["gradient_bytes"] = per_rank[0]["gradient_bytes"]
         summary["device"] = per_rank[0]["device"]
         summary["backend"] = per_rank[0]["backend"]

@@ -36,7 +36,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from testbed import config
 from testbed.checks import require
 from testbed.collectives.common import chunk_bounds
-from testbed.data.datasets import spec_for
+from testbed.data import spec_for
 from testbed.imbalance import shard_batches
 from testbed.models import build_model, example_input
 from testbed.netem import parse_rate

@@ -76,6 +76,12 @@ class Synchronizer(ABC):
         """Clear the gradients for the next step; synchronizers that own gradient memory override it."""
         self.optimizer.zero_grad(set_to_none=True)
 
+    @contextmanager
+    def evaluated(self) -> Iterator[tuple[nn.Module, str]]:
+        """The run's model for held-out evaluation (testbed.eval), and what it is. Every rank enters
+        together. Here the replicas are the model: after a synchronous step they are equal."""
+        yield self.model, "replicas"
+
     def describe(self) -> dict[str, Any]:
         """Facts worth recording in summary.json (algorithm actually used, buffer sizes, ...)."""
         return {}
@@ -124,6 +130,17 @@ class GradReadiness:
             self.remaining[g] -= 1
             if self.remaining[g] == 0:
                 self._on_ready(g)
+
+
+@contextmanager
+def holding(flat_params: torch.Tensor, values: torch.Tensor) -> Iterator[None]:
+    """The model (whose parameters view ``flat_params``) holds ``values`` inside, its own after."""
+    own = flat_params.clone()
+    flat_params.copy_(values)
+    try:
+        yield
+    finally:
+        flat_params.copy_(own)
 
 
 def flat_views(model: nn.Module, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,8 @@ With ``sync_steps = K > 0`` it is post-local SGD (Lin et al. 2020): gradients ar
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +19,7 @@ from torch import nn
 from testbed.checks import require
 from testbed.collectives.ring import ring_allreduce_
 from testbed.sync.allreduce import NATIVE
-from testbed.sync.base import Synchronizer, SyncReport, flat_views
+from testbed.sync.base import Synchronizer, SyncReport, flat_views, holding
 from testbed.sync.ring import RING
 from testbed.sync.spec import SimModel, SyncBase, SyncSpec, require_gloo_cpu
 from testbed.world import World
@@ -72,6 +74,14 @@ class LocalSgd(Synchronizer):
             return SyncReport(t_wait=0.0, replicas_agree=False)  # a local step: nobody to wait for
         self._average_(self.flat_params)
         return SyncReport(bytes_sent=moved, bytes_recv=moved)
+
+    @contextmanager
+    def evaluated(self) -> Iterator[tuple[nn.Module, str]]:
+        """Between averaging steps the replicas differ; the run's model is their average."""
+        average = self.flat_params.clone()
+        self._average_(average)
+        with holding(self.flat_params, average):
+            yield self.model, "replica average"
 
     def zero_grad(self) -> None:
         self.flat_grads.zero_()

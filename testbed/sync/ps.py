@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 from torch import nn
 
 from testbed.checks import require, resolved_device
@@ -29,7 +30,7 @@ from testbed.compress import build_codec
 from testbed.compress.codec import PayloadCodec, codec_facts, residual_norm
 from testbed.ps.modes import CHUNK_KB, MAX_CHUNK_KB, MODES, STALENESS
 from testbed.sim.costs import Cost, parameter_server
-from testbed.sync.base import GradReadiness, Synchronizer, SyncReport, flat_views
+from testbed.sync.base import GradReadiness, Synchronizer, SyncReport, flat_views, holding
 from testbed.sync.spec import Servers, SimModel, SyncBase, SyncSpec
 from testbed.world import World
 
@@ -68,6 +69,7 @@ class ParameterServerSync(Synchronizer):
         if numel < servers:
             raise ValueError(f"sync.servers={servers} exceeds the model's {numel} parameters")
         bounds = chunk_bounds(numel, servers)  # byte-balanced: one dtype, equal element counts
+        self.bounds, self.finalized = bounds, False
         self.param_shards = [self.flat_params[lo:hi] for lo, hi in bounds]
         self.grad_shards = [self.flat_grads[lo:hi] for lo, hi in bounds]
         self.bytes_per_step = numel * self.flat_params.element_size()
@@ -167,6 +169,22 @@ class ParameterServerSync(Synchronizer):
         # its last gradient, all pull the servers' final parameters, so model_final.pt is that model.
         dist.barrier()
         self.versions = self.client.pull(self.param_shards, self.clock, full=True).versions
+        self.finalized = True
+
+    @contextmanager
+    def evaluated(self) -> Iterator[tuple[nn.Module, str]]:
+        """In async and ssp modes a worker's copy is stale: the run's model is the servers' current
+        parameters. Rank 0 pulls them (without a codec: the whole parameters) and every rank
+        evaluates that one model; each worker's own copy is back afterwards."""
+        if self.cfg.mode == "sync" or self.finalized:
+            yield self.model, "replicas"  # every replica holds the servers' parameters
+            return
+        current = torch.empty_like(self.flat_params)
+        if self.world.rank == 0:
+            self.client.pull([current[lo:hi] for lo, hi in self.bounds], self.clock, full=True)
+        dist.broadcast(current, src=0)
+        with holding(self.flat_params, current):
+            yield self.model, "servers"
 
     def zero_grad(self) -> None:
         self.flat_grads.zero_()
@@ -222,6 +240,10 @@ def _check(cfg: Any) -> None:
         absent = [f"sync.{k}={v}" for k, v in given.items() if v and not Path(v).is_file()]
         require(not absent, f"{', '.join(absent)}: no such file")
     codec = cfg.compress.name
+    require(not (cfg.compress.get("pull") and cfg.eval.every),
+            f"eval.every={cfg.eval.every} with sync=ps and compress.pull: workers hold a decoded approximation of the "
+            "servers' parameters, and pulling the servers' own for an evaluation would break the copy the servers keep "
+            "of what each worker holds; evaluate at the end only (eval.every=0), or drop compress.pull")
     require(codec != "powersgd", "compress=powersgd with sync=ps: PowerSGD needs every worker's P before anyone "
                                  "computes Q (two all-reduces), which one push cannot carry; use an all-reduce "
                                  "synchronizer, or another codec")
@@ -238,9 +260,12 @@ def _start_servers(
     plain: dict[str, Any], world_size: int, log_dir: Path, hosts: list[tuple[str, str]] | None,
     saving: tuple[Path, int] | None, restore: Path | None,
 ) -> Iterator[dict[str, str]]:
+    from testbed.data import data_kind
+    from testbed.eval.schedule import with_schedule
     from testbed.ps.launch import LocalServers
 
-    with LocalServers(plain["sync"], plain["optim"], world_size, log_dir, hosts, saving, restore, plain.get("compress"),
+    optim = with_schedule(plain, data_kind(plain["data"]["name"]).train_size(OmegaConf.create(plain["data"])))
+    with LocalServers(plain["sync"], optim, world_size, log_dir, hosts, saving, restore, plain.get("compress"),
                       int(plain.get("seed", 0))) as ps:
         plain["sync"]["addresses"] = ps.addresses
         yield ps.rank_env()

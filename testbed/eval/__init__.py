@@ -1,0 +1,1 @@
+"""Time to accuracy: held-out evaluation, quality targets and the learning-rate schedule."""
