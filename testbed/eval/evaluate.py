@@ -80,7 +80,7 @@ class Evaluator:
         began = time.perf_counter()
         device = self.world.device
         sums = torch.zeros(len(SUMS), dtype=torch.float64)
-        with sync.evaluated() as (model, which):
+        with sync.evaluated() as (model, which):  # which: the facts of the evaluated model
             was_training = model.training
             model.eval()
             try:
@@ -102,7 +102,7 @@ class Evaluator:
         row = {
             "step": step, "samples_seen": done * self.global_batch,
             "epoch": done / self.steps_per_epoch if self.steps_per_epoch else None,
-            "time_s": elapsed_s + t_eval, "t_eval": t_eval, "t_eval_total": self.t_eval, "model": which,
+            "time_s": elapsed_s + t_eval, "t_eval": t_eval, "t_eval_total": self.t_eval, **which,
             **metrics_from(sums, self.spec),
         }
         self.rows.append(row)

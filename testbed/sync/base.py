@@ -77,10 +77,11 @@ class Synchronizer(ABC):
         self.optimizer.zero_grad(set_to_none=True)
 
     @contextmanager
-    def evaluated(self) -> Iterator[tuple[nn.Module, str]]:
-        """The run's model for held-out evaluation (testbed.eval), and what it is. Every rank enters
-        together. Here the replicas are the model: after a synchronous step they are equal."""
-        yield self.model, "replicas"
+    def evaluated(self) -> Iterator[tuple[nn.Module, dict[str, Any]]]:
+        """The run's model for held-out evaluation (testbed.eval), and facts for its record (``model``:
+        what it is). Every rank enters together. Here the replicas are the model: after a
+        synchronous step they are equal."""
+        yield self.model, {"model": "replicas"}
 
     def describe(self) -> dict[str, Any]:
         """Facts worth recording in summary.json (algorithm actually used, buffer sizes, ...)."""

@@ -76,12 +76,12 @@ class LocalSgd(Synchronizer):
         return SyncReport(bytes_sent=moved, bytes_recv=moved)
 
     @contextmanager
-    def evaluated(self) -> Iterator[tuple[nn.Module, str]]:
+    def evaluated(self) -> Iterator[tuple[nn.Module, dict[str, Any]]]:
         """Between averaging steps the replicas differ; the run's model is their average."""
         average = self.flat_params.clone()
         self._average_(average)
         with holding(self.flat_params, average):
-            yield self.model, "replica average"
+            yield self.model, {"model": "replica average"}
 
     def zero_grad(self) -> None:
         self.flat_grads.zero_()

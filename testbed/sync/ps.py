@@ -172,19 +172,24 @@ class ParameterServerSync(Synchronizer):
         self.finalized = True
 
     @contextmanager
-    def evaluated(self) -> Iterator[tuple[nn.Module, str]]:
+    def evaluated(self) -> Iterator[tuple[nn.Module, dict[str, Any]]]:
         """In async and ssp modes a worker's copy is stale: the run's model is the servers' current
-        parameters. Rank 0 pulls them (without a codec: the whole parameters) and every rank
+        parameters once every worker has pushed this step. Rank 0 pulls them (whole) and every rank
         evaluates that one model; each worker's own copy is back afterwards."""
         if self.cfg.mode == "sync" or self.finalized:
-            yield self.model, "replicas"  # every replica holds the servers' parameters
+            yield self.model, {"model": "replicas"}  # every replica holds the servers' parameters
             return
         current = torch.empty_like(self.flat_params)
+        dist.barrier()  # every worker's push of this step is in: the model after it, whatever the order
+        behind = torch.zeros(1, dtype=torch.int64)
         if self.world.rank == 0:
-            self.client.pull([current[lo:hi] for lo, hi in self.bounds], self.clock, full=True)
+            versions = self.client.pull([current[lo:hi] for lo, hi in self.bounds], self.clock, full=True).versions
+            behind[0] = sum(versions) - sum(self.versions)
         dist.broadcast(current, src=0)
+        dist.broadcast(behind, src=0)
         with holding(self.flat_params, current):
-            yield self.model, "servers"
+            # rank0_behind: updates (summed over shards) rank 0's own copy lacks, which it would have evaluated
+            yield self.model, {"model": "servers", "rank0_behind": int(behind)}
 
     def zero_grad(self) -> None:
         self.flat_grads.zero_()
