@@ -81,7 +81,7 @@ BAD = {
         ["+experiment=compare", "data.scaling=strong", "data.batch_size=3"],
         "data.batch_size=3 does not divide by world_size=2",
     ),
-    "unknown name": (["model.name=foo"], "model.name=foo: unknown; allowed: mlp|cnn|transformer"),
+    "unknown name": (["model.name=foo"], "model.name=foo: unknown; allowed: mlp|cnn|cnn1d|transformer"),
     "ps mode": (["sync=ps", "sync.mode=bsp"], "sync.mode=bsp: allowed: sync|async|ssp"),
     "ps addresses": (["sync=ps", "sync.servers=2", "sync.addresses=[localhost:1]"], "sync.addresses has 1 entries but sync.servers=2"),
     "straggler beyond the world": (

@@ -16,10 +16,10 @@ from testbed.checks import ConfigError
 from testbed.config import validate
 from testbed.data import build_heldout, data_kind
 from testbed.data.kinds import tensors
+from testbed.data.spec import DataSpec
 from testbed.eval.evaluate import Target, slice_of
 from testbed.eval.metrics import IGNORE, batch_sums, metrics_from
 from testbed.eval.schedule import LrSchedule, schedule_of
-from testbed.data.spec import DataSpec
 from testbed.paths import config_dir
 
 pytestmark = pytest.mark.unit

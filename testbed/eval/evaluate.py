@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,8 @@ class Evaluator:
     rank 0, and remembers the first row that meets the target."""
 
     def __init__(self, cfg: Any, heldout: HeldOut, spec: DataSpec, world: World, job_dir: Path,
-                 global_batch: int, steps_per_epoch: float | None, autocast: Any) -> None:
+                 global_batch: int, steps_per_epoch: float | None, autocast: Any,
+                 on_row: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.every, self.at_end, self.batch_size = int(cfg.eval.every), bool(cfg.eval.at_end), int(cfg.eval.batch_size)
         self.total = min(len(heldout), int(cfg.eval.samples or len(heldout)))
         self.heldout, self.spec, self.world = heldout, spec, world
@@ -70,6 +72,7 @@ class Evaluator:
         self.reached: dict[str, Any] | None = None
         self.t_eval = 0.0
         self._file = open(eval_path(job_dir), "a") if world.is_main else None
+        self.on_row = on_row  # e.g. the W&B mirror (rank 0)
 
     def due(self, step: int) -> bool:
         return self.every > 0 and (step + 1) % self.every == 0
@@ -111,6 +114,8 @@ class Evaluator:
         if self._file is not None:
             self._file.write(json.dumps(row) + "\n")
             self._file.flush()
+        if self.on_row is not None:
+            self.on_row(row)
         return row
 
     def stop_now(self) -> bool:

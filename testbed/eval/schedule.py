@@ -62,9 +62,12 @@ class LrSchedule:
     def of_optim(cls, optim: Any) -> LrSchedule:
         """The schedule a parameter server was handed in its optim config (``lr_schedule``, see
         ``with_schedule``); without one, a constant optim.lr."""
-        values = optim.get("lr_schedule")
+        def field(key: str, default: Any) -> Any:  # a config node, a dict, or an optim dataclass
+            return optim.get(key, default) if hasattr(optim, "get") else getattr(optim, key, default)
+
+        values = field("lr_schedule", None)
         if values is None:
-            return cls(peak=float(optim.get("lr", 0.0)), start=0.0, warmup=0, total=1)
+            return cls(peak=float(field("lr", 0.0)), start=0.0, warmup=0, total=1)
         return cls.from_dict(OmegaConf.to_container(values) if OmegaConf.is_config(values) else dict(values))
 
 

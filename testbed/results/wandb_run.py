@@ -76,6 +76,12 @@ class WandbRun:
             metrics = {k: v for k, v in record.items() if k not in _SKIP and v is not None}
             self._guard("log", self.run.log, {**metrics, "wall_s": self.wall_s})
 
+    def log_eval(self, row: dict[str, Any]) -> None:
+        """A held-out evaluation (testbed.eval), as ``eval/<metric>`` beside the next step's record."""
+        if self.run is not None:
+            metrics = {f"eval/{k}": v for k, v in row.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+            self._guard("log", self.run.log, metrics, None, False)
+
     def finish(self, summary: dict[str, Any] | None) -> None:
         if self.run is None:
             return
@@ -91,6 +97,10 @@ def summary_metrics(summary: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in summary.items() if isinstance(v, int | float | str | bool) or v is None}
     for phase, spread in (summary.get("phases") or {}).items():
         out[f"phases/{phase}"] = spread.get("median")
+    final = (summary.get("eval") or {}).get("final") or {}
+    out.update({f"eval/final_{k}": v for k, v in final.items() if k in ("loss", "accuracy", "top5", "perplexity")})
+    reached = summary.get("time_to_target") or {}
+    out.update({f"time_to_target/{k}": v for k, v in reached.items() if k in ("seconds", "steps", "samples", "reached")})
     return out
 
 
