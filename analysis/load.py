@@ -34,6 +34,13 @@ def run_row(summary: dict[str, Any], overrides: list[str], source: str) -> dict[
     row.update({k: summary.get(k) for k in SUMMARY_COLUMNS})
     for phase, spread in (summary.get("phases") or {}).items():
         row[phase] = spread.get("median") if isinstance(spread, dict) else spread
+    final = (summary.get("eval") or {}).get("final") or {}
+    row["eval_accuracy"], row["eval_loss"] = final.get("accuracy"), final.get("loss")
+    target = summary.get("time_to_target") or {}
+    row["target_metric"], row["target_value"] = target.get("metric"), target.get("value")
+    row["tta_reached"] = bool(target.get("reached"))
+    row["tta_s"], row["tta_steps"], row["tta_epochs"] = target.get("seconds"), target.get("steps"), target.get("epochs")
+    row["tta_eval_share"] = target.get("t_eval_share")
     row["overrides"] = ",".join(overrides)
     # The sync option as chosen (ps_sharded), which the per-run label (ps-sync k=4) does not keep.
     row["option"] = next((o.split("=", 1)[1] for o in overrides if o.startswith("sync=")), row["sync"])

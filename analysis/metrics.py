@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import pandas as pd
 
+from analysis.stats import point, verdicts
+
 MEASURES = ("throughput", "step_time", "imbalance", "idle_fraction")
 # Measures against a swept override (figures 4-7), where the runs have them.
 VERSUS = ("step_time", "throughput", "idle_fraction", "time_to_target")
@@ -30,7 +32,10 @@ def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
     table["throughput_std"] = grouped["throughput"].std().fillna(0.0)
     table["step_time_std"] = grouped["step_time"].std().fillna(0.0)
     table["repeats"] = grouped.size()
+    spread = grouped["throughput"].apply(lambda v: pd.Series(point(list(v)))).unstack()
+    table["throughput_median"], table["throughput_lo"], table["throughput_hi"] = spread["median"], spread["lo"], spread["hi"]
     table = table.reset_index()
+    _pool_single_workers(ok, table)
 
     single = table[table["world_size"] == 1]
     own = single.set_index("config_key")["throughput"]
@@ -42,7 +47,26 @@ def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
     table["efficiency_common"] = table["throughput"] / table["setting_key"].map(common) / table["world_size"]
     table = table.sort_values(["option", "config_key", "world_size"]).reset_index(drop=True)
     table["marginal_speedup"] = _marginal(table)
+    table["verdict"] = ""
+    for _, group in table.groupby(["setting_key", "world_size"], dropna=False):  # who is fastest, and who ties
+        points = [{"median": r.throughput_median, "lo": r.throughput_lo, "hi": r.throughput_hi} for r in group.itertuples()]
+        table.loc[group.index, "verdict"] = verdicts(points, higher_is_better=True)
     return table
+
+
+def _pool_single_workers(runs: pd.DataFrame, table: pd.DataFrame) -> None:
+    """One worker that moves no bytes runs the same computation under every synchronizer (all-reduce,
+    ring and tree are no-ops at n = 1): its runs of one setting are pooled into one point, so that
+    noise between them does not show as a difference between synchronizers. A synchronizer that
+    communicates even alone (a parameter server's round trip) keeps its own point."""
+    alone = runs[(runs["world_size"] == 1) & (runs["bytes_per_step"].fillna(0) == 0)]
+    for key, group in alone.groupby("setting_key", dropna=False):
+        pooled = point(list(group["throughput"]))
+        rows = (table["world_size"] == 1) & (table["setting_key"] == key) & table["option"].isin(group["option"])
+        table.loc[rows, ["throughput", "throughput_median", "throughput_lo", "throughput_hi"]] = (
+            pooled["mean"], pooled["median"], pooled["lo"], pooled["hi"])
+        table.loc[rows, "throughput_std"] = group["throughput"].std() if len(group) > 1 else 0.0
+        table.loc[rows, "repeats"] = len(group)
 
 
 def _marginal(table: pd.DataFrame) -> pd.Series:

@@ -11,6 +11,7 @@ from testbed.results.format import markdown_table
 
 SCALING_COLUMNS = {
     "option": "sync", "setting": "setting", "world_size": "n", "repeats": "repeats", "throughput": "samples/s", "throughput_std": "± std",
+    "throughput_lo": "95 % lo", "throughput_hi": "95 % hi", "verdict": "at this n",
     "speedup": "speed-up", "efficiency": "efficiency", "efficiency_common": "efficiency (common n=1)",
     "marginal_speedup": "marginal speed-up", "imbalance": "imbalance", "idle_fraction": "idle",
 }
@@ -28,7 +29,11 @@ def write_report(
         "",
         "Efficiency is X(n) / (n X(1)) against the single-worker runs of the same configuration; "
         "'common n=1' uses the fastest single-worker run of the same setting under any synchronizer. "
-        "Marginal speed-up is the speed-up gained per worker added since the next smaller world size.",
+        "Marginal speed-up is the speed-up gained per worker added since the next smaller world size. "
+        "Repeats (seeds) give each point its mean and the 95 % t interval of the mean; at each n the fastest "
+        "configuration of a setting is 'best', and those whose interval overlaps its interval are 'tie' (a "
+        "single run has no interval and ties with everything). One worker that moves no bytes runs the same "
+        "computation under every synchronizer, so those runs are pooled into one point.",
         "",
         "## Scaling",
         "",

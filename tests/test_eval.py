@@ -138,3 +138,26 @@ def test_a_target_with_stop_ends_every_rank_at_its_first_evaluation(runs: dict[s
     # Checkpoints stop with the run (step 2's is the last, the run's end needs none).
     saved = sorted(p.name for p in step_dir(job, 0).parent.iterdir())
     assert saved and saved[-1] <= step_dir(job, 2).name
+
+
+def test_the_tuner_ranks_by_time_to_the_heldout_target(runs: dict[str, Path]) -> None:
+    from testbed.tune.space import Candidate
+    from testbed.tune.trials import Measured, add_time_to_target, rank
+
+    reached = Measured(Candidate(("sync=allreduce",)), jobs=[runs["stop"]])
+    never = Measured(Candidate(("sync=none",)), jobs=[runs["ref"]])  # no target: nothing to rank it by
+    target = add_time_to_target([never, reached])
+    assert target == {"metric": "loss", "value": 100.0}
+    assert reached.time_to_target == [read_json(runs["stop"] / "summary.json")["time_to_target"]["seconds"]]
+    assert never.time_to_target == [] and rank([never, reached], "time_to_target")[0] is reached
+
+
+def test_analysis_draws_accuracy_and_the_target_table(runs: dict[str, Path], tmp_path: Path) -> None:
+    from analysis.__main__ import main
+
+    assert main([str(runs["ref"]), str(runs["sweep"]), str(runs["stop"]), "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "accuracy.png").stat().st_size > 0 and (tmp_path / "time_to_target.png").exists()
+    report = (tmp_path / "report.md").read_text()
+    section = report.split("## Time to the held-out target")[1].split("##")[0]
+    assert "| allreduce |" in section and "loss 100" in section and "| best |" in section
+    assert "## Final held-out accuracy" in report

@@ -200,3 +200,36 @@ def test_a_server_reads_the_schedule_it_is_handed() -> None:
     s = LrSchedule(peak=0.4, start=0.1, warmup=4, total=20, kind="cosine")
     assert LrSchedule.of_optim({"lr": 9.0, "lr_schedule": s.as_dict()}) == s
     assert LrSchedule.of_optim({"lr": 0.3}).lr_at(17) == 0.3
+
+
+def test_interval_verdicts_and_mlperf_score_by_hand() -> None:
+    from analysis.stats import interval, mlperf_score, point, verdicts
+
+    lo, hi = interval([1.0, 2.0, 3.0])  # mean 2, s = 1, t(0.975, 2) = 4.303
+    assert (lo, hi) == pytest.approx((2 - 4.3027 / math.sqrt(3), 2 + 4.3027 / math.sqrt(3)), rel=1e-4)
+    assert all(math.isnan(v) for v in interval([5.0]))
+    fast, close, slow = point([10.0, 10.5, 11.0]), point([10.8, 11.0, 11.2]), point([20.0, 20.5, 21.0])
+    assert verdicts([close, fast, slow], higher_is_better=False) == ["tie", "best", ""]
+    assert verdicts([close, fast, slow], higher_is_better=True) == ["", "", "best"]
+    assert verdicts([point([1.0]), point([2.0])], higher_is_better=True) == ["tie", "best"]  # one run each: no finding
+    assert mlperf_score([5.0, 1.0, 3.0, 4.0, 100.0]) == pytest.approx(4.0)  # 1 and 100 dropped
+    assert mlperf_score([1.0, 2.0, float("nan")]) == pytest.approx(2.0)  # the unreached run is the slowest
+    assert math.isnan(mlperf_score([1.0, float("nan"), float("nan")])) and math.isnan(mlperf_score([1.0, 2.0]))
+
+
+def test_one_worker_that_moves_nothing_is_one_point_for_every_synchronizer() -> None:
+    import pandas as pd
+
+    from analysis.metrics import aggregate
+
+    rows = []
+    for option, n, throughput, sent in [("allreduce", 1, 100.0, 0), ("ring", 1, 160.0, 0), ("tree", 1, 130.0, 0),
+                                        ("ps", 1, 60.0, 4096), ("allreduce", 2, 150.0, 4096), ("ring", 2, 170.0, 4096)]:
+        rows.append({"status": "ok", "option": option, "world_size": n, "throughput": throughput, "bytes_per_step": sent,
+                     "config_key": f"sync={option}", "setting_key": "", "setting": "", "step_time": 1 / throughput,
+                     "imbalance": 0.0, "idle_fraction": 0.0})
+    table = aggregate(pd.DataFrame(rows)).set_index(["option", "world_size"])
+    pooled = [table.loc[(o, 1), "throughput"] for o in ("allreduce", "ring", "tree")]
+    assert pooled == pytest.approx([130.0] * 3) and table.loc[("allreduce", 1), "repeats"] == 3
+    assert table.loc[("ps", 1), "throughput"] == 60.0  # its round trip makes it another computation
+    assert table.loc[("ring", 2), "speedup"] == pytest.approx(170 / 130)

@@ -7,8 +7,8 @@
    fit (a parameter server on a link benchmarked for all-reduce only) has its own benchmarked and
    fitted, and the space is screened again.
 3. Measure the best ``budget // repeats`` predicted candidates, ``repeats`` runs each, and rank
-   them by the objective: measured throughput, or time to a target loss (the simulator predicts
-   time, not loss, so that objective ranks the measured candidates only).
+   them by the objective: measured throughput, or time to the held-out quality target (the
+   simulator predicts time, not accuracy, so that objective ranks the measured candidates only).
 4. Print the ranked table; write tuning.md, tuning.json and tuning.png into the run directory, with
    every run a normal job directory (``trials/``) that ``python -m analysis`` reads.
 
@@ -40,6 +40,9 @@ def _check(cfg: DictConfig) -> dict[str, list[Any]]:
     config.validate(cfg)  # the setting itself, as its runs will be
     tune = cfg.tune
     require(tune.objective in OBJECTIVES, f"tune.objective={tune.objective}: allowed: {'|'.join(OBJECTIVES)}")
+    require(tune.objective != "time_to_target" or cfg.target.metric is not None,
+            "tune.objective=time_to_target ranks candidates by time to a held-out quality target: give one "
+            "(target.metric=accuracy target.value=0.85, with eval.every=...)")
     require(tune.repeats >= 1, f"tune.repeats={tune.repeats}: must be >= 1")
     require(tune.budget >= tune.repeats, f"tune.budget={tune.budget}: must be at least tune.repeats={tune.repeats} "
                                          "(real runs: candidates x repeats)")
@@ -89,7 +92,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     measure_s = time.perf_counter() - started
     target = trials.add_time_to_target(measured) if tune.objective == "time_to_target" else None
     ranked = trials.rank(measured, tune.objective)
-    facts = {"objective": tune.objective, "target_loss": target, "base": base, "space": knobs, "repeats": int(tune.repeats),
+    facts = {"objective": tune.objective, "target": target, "base": base, "space": knobs, "repeats": int(tune.repeats),
              "calibration": sim["calibration"], "compute_from": compute_from, "screen_s": screen_s,
              "measure_s": measure_s, "wall_s": time.perf_counter() - began, "method": screened.method}
     table = trials.write(out, screened, ranked, facts)

@@ -148,19 +148,20 @@ def measure(base: list[str], chosen: list[Candidate], repeats: int, seed: int, o
     return results
 
 
-def add_time_to_target(results: list[Measured]) -> float:
-    """Each measured run's time until its smoothed loss reaches the worst final one among them
-    (analysis.metrics.time_to_target); the target."""
-    from analysis.load import load
-    from analysis.metrics import loss_curves, time_to_target
-
-    jobs = [str(job) for m in results for job in m.jobs if (job / "summary.json").exists()]
-    if not jobs:
-        return math.nan
-    runs, steps = load(jobs)
-    times, target = time_to_target(loss_curves(runs, steps))
+def add_time_to_target(results: list[Measured]) -> dict[str, Any] | None:
+    """Each measured run's seconds to the held-out quality target (summary.json time_to_target,
+    evaluation time included, MLPerf's clock); a run that did not reach it counts as not measured.
+    Returns the target."""
+    target = None
     for m in results:
-        m.time_to_target = [float(times[str(j)]) for j in m.jobs if str(j) in times and not math.isnan(times[str(j)])]
+        m.time_to_target = []
+        for job in m.jobs:
+            path = job / "summary.json"
+            reached = json.loads(path.read_text()).get("time_to_target") if path.exists() else None
+            if reached:
+                target = {k: reached[k] for k in ("metric", "value")}
+                if reached["reached"]:
+                    m.time_to_target.append(float(reached["seconds"]))
     return target
 
 

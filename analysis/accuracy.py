@@ -1,0 +1,148 @@
+"""The statistical half: held-out quality against wall-clock and against samples, and time to the
+quality target across repeats (median, 95 % interval, MLPerf's score, ties named).
+
+Reads each job's ``metrics/eval.jsonl`` and summary.json ``time_to_target`` (testbed.eval). Wall-
+clock is MLPerf's: the run's clock never stops, evaluation included. Accuracy against samples
+separates the statistical half (how much each sample improves the model: staleness, compression,
+local steps, the global batch) from the hardware half (how fast samples go through).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from analysis.figures import _save, _workers_axis  # noqa: E402
+from analysis.stats import mlperf_score, point, verdicts  # noqa: E402
+from testbed.results.format import markdown_table  # noqa: E402
+
+
+def eval_curves(runs: pd.DataFrame) -> pd.DataFrame:
+    """One row per evaluation of every successful local run: its run's labels and the eval record."""
+    rows = []
+    for run in runs[runs["status"] == "ok"].itertuples():
+        path = Path(str(run.source)) / "metrics" / "eval.jsonl"
+        if not path.is_file():
+            continue
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            rows.append({"source": run.source, "option": run.option, "setting": run.setting,
+                         "world_size": run.world_size, "seed": run.seed, **record})
+    return pd.DataFrame(rows)
+
+
+def target_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per configuration and n over its repeats: runs, reached, time to target (median, interval,
+    MLPerf's score), steps and epochs to it (medians), the final held-out accuracy, and the verdict."""
+    ok = runs[(runs["status"] == "ok") & runs["target_metric"].notna()]
+    if ok.empty:
+        return pd.DataFrame()
+    rows = []
+    for (key, option, setting, n), group in ok.groupby(["config_key", "option", "setting", "world_size"], dropna=False):
+        times = [t if r else math.nan for t, r in zip(group["tta_s"], group["tta_reached"])]
+        spread = point(times)
+        rows.append({
+            "config_key": key, "setting_key": group["setting_key"].iloc[0], "option": option, "setting": setting,
+            "world_size": n, "runs": len(group), "reached": int(group["tta_reached"].sum()),
+            "target": f"{group['target_metric'].iloc[0]} {group['target_value'].iloc[0]:g}",
+            "tta_median": spread["median"], "tta_lo": spread["lo"], "tta_hi": spread["hi"],
+            "tta_mlperf": mlperf_score(times),
+            "steps_median": group["tta_steps"].median(), "epochs_median": group["tta_epochs"].median(),
+            "eval_share": group["tta_eval_share"].median(),
+            "final_accuracy": group["eval_accuracy"].median(),
+        })
+    table = pd.DataFrame(rows).sort_values(["setting_key", "world_size", "tta_median"]).reset_index(drop=True)
+    table["verdict"] = ""
+    for _, group in table.groupby(["setting_key", "world_size"], dropna=False):
+        points = [{"median": r.tta_median, "lo": r.tta_lo, "hi": r.tta_hi} for r in group.itertuples()]
+        table.loc[group.index, "verdict"] = verdicts(points, higher_is_better=False)
+    return table
+
+
+COLUMNS = {
+    "option": "sync", "setting": "setting", "world_size": "n", "target": "target", "runs": "runs", "reached": "reached",
+    "tta_median": "median s", "tta_lo": "95 % lo", "tta_hi": "95 % hi", "tta_mlperf": "MLPerf score s",
+    "steps_median": "steps", "epochs_median": "epochs", "eval_share": "eval share", "final_accuracy": "final acc.",
+    "verdict": "at this n",
+}
+
+
+def curves_figure(curves: pd.DataFrame, out: Path) -> list[Path]:
+    """Held-out accuracy (or loss) against wall-clock and against samples, one line per run."""
+    metric = "accuracy" if "accuracy" in curves.columns else "loss"
+    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    labels = sorted(curves["option"].astype(str).unique())
+    colors = {label: f"C{i % 10}" for i, label in enumerate(labels)}
+    styles = {n: ls for n, ls in zip(sorted(curves["world_size"].unique()), ("-", "--", ":", "-."))}
+    drawn = set()
+    for (_, option, n), g in curves.groupby(["source", "option", "world_size"]):
+        g = g.sort_values("step")
+        label = f"{option} n={n}" if (option, n) not in drawn else None
+        drawn.add((option, n))
+        kw = {"color": colors[str(option)], "ls": styles.get(n, "-"), "lw": 1, "alpha": 0.8, "marker": "."}
+        ax_t.plot(g["time_s"], g[metric], label=label, **kw)
+        ax_s.plot(g["samples_seen"], g[metric], **kw)
+    ax_t.set_xlabel("wall-clock s (evaluation included)")
+    ax_s.set_xlabel("samples seen")
+    ax_t.set_ylabel(f"held-out {metric}")
+    ax_t.set_title("the whole race")
+    ax_s.set_title("the statistical half: per sample")
+    ax_t.legend(fontsize=7, ncol=2)
+    return _save(fig, out, "accuracy")
+
+
+def target_figure(table: pd.DataFrame, out: Path) -> list[Path]:
+    """Time to target against workers, the median with its 95 % interval, one line per synchronizer."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, (label, g) in enumerate(sorted(table.groupby(["option", "setting"], dropna=False), key=lambda x: str(x[0]))):
+        g = g.sort_values("world_size")
+        name = label[0] if not label[1] else f"{label[0]} ({label[1]})"
+        low = (g["tta_median"] - g["tta_lo"]).clip(lower=0).fillna(0)
+        high = (g["tta_hi"] - g["tta_median"]).clip(lower=0).fillna(0)
+        ax.errorbar(g["world_size"], g["tta_median"], yerr=[low, high], capsize=3, marker="o", color=f"C{i % 10}", label=name)
+    _workers_axis(ax, sorted(table["world_size"].unique()))
+    ax.set_xlabel("workers")
+    ax.set_ylabel("time to target s (median, 95 % interval)")
+    ax.set_title(f"time to {table['target'].iloc[0]}")
+    ax.legend(fontsize=7)
+    return _save(fig, out, "time_to_target")
+
+
+def analyse(runs: pd.DataFrame, out: Path) -> tuple[list[Path], str]:
+    """The figures and report section of the held-out evaluation; nothing when no run evaluated."""
+    curves = eval_curves(runs) if "source" in runs.columns else pd.DataFrame()
+    written: list[Path] = []
+    parts: list[str] = []
+    if not curves.empty:
+        written += curves_figure(curves, out)
+    table = target_table(runs) if "target_metric" in runs.columns else pd.DataFrame()
+    if not table.empty:
+        written += target_figure(table, out)
+        parts += [
+            "## Time to the held-out target",
+            "",
+            "MLPerf's clock: from the first step, never stopped, evaluation included ('eval share' is its part). "
+            "Medians over the repeats that reached the target, the 95 % t interval of their mean, and MLPerf's "
+            "score (drop the fastest and the slowest run, average the rest; a run that did not reach counts as "
+            "slowest). At each n, 'best' is the fastest median and 'tie' marks intervals that overlap its interval.",
+            "",
+            markdown_table(table, COLUMNS),
+            "",
+        ]
+    if not curves.empty:
+        final = curves.sort_values("step").groupby("source").tail(1)
+        metric = "accuracy" if "accuracy" in final.columns else "loss"
+        by = final.groupby(["option", "setting", "world_size"], dropna=False)[metric]
+        summary = by.agg(["median", "min", "max", "count"]).reset_index()
+        parts += [f"## Final held-out {metric}", "",
+                  markdown_table(summary, {"option": "sync", "setting": "setting", "world_size": "n", "median": "median", "min": "min",
+                                           "max": "max", "count": "runs"}), ""]
+    return written, "\n".join(parts)
