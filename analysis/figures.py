@@ -127,6 +127,7 @@ PANELS = {  # measure: (axis label, scale to display units)
     "throughput": ("throughput (samples/s)", 1.0),
     "idle_fraction": ("idle fraction (waiting for peers)", 1.0),
     "time_to_target": ("time to target loss (s)", 1.0),
+    "eval_accuracy": ("final held-out accuracy", 1.0),
 }
 
 
@@ -136,11 +137,12 @@ def versus(table: pd.DataFrame, key: str, out: Path) -> list[Path]:
     name = key.removeprefix("set:")
     measures = [m for m in PANELS if m in table.columns and (m in ("step_time", "throughput") or table[m].abs().sum() > 0)]
     fig, axes = plt.subplots(1, len(measures), figsize=(5 * len(measures), 4))
-    for (sync, n), g in table.groupby(["option", "world_size"]):
+    for (sync, series, n), g in table.groupby(["option", "series", "world_size"]):
         g = g.sort_values(key)
+        label = f"{sync}, n={n}" + (f" ({series})" if table["series"].nunique() > 1 else "")
         for ax, m in zip(axes, measures):
             scale = PANELS[m][1]
-            ax.errorbar(g[key], scale * g[m], yerr=scale * g[f"{m}_std"], marker="o", capsize=3, label=f"{sync}, n={n}")
+            ax.errorbar(g[key], scale * g[m], yerr=scale * g[f"{m}_std"], marker="o", capsize=3, label=label)
     for ax, m in zip(axes, measures):
         ax.set(xlabel=name, ylabel=PANELS[m][0], ylim=(0, None))
         ax.grid(alpha=0.3)

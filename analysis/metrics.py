@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import pandas as pd
 
+from analysis.load import QUIET
 from analysis.stats import point, verdicts
+from testbed.results.keys import run_key
 
 MEASURES = ("throughput", "step_time", "imbalance", "idle_fraction")
 # Measures against a swept override (figures 4-7), where the runs have them.
-VERSUS = ("step_time", "throughput", "idle_fraction", "time_to_target")
+VERSUS = ("step_time", "throughput", "idle_fraction", "time_to_target", "eval_accuracy")
 
 
 def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
@@ -84,7 +86,12 @@ def _marginal(table: pd.DataFrame) -> pd.Series:
 def aggregate_by(runs: pd.DataFrame, key: str) -> pd.DataFrame:
     """Means and spread over repeats per (sync, world_size, value of the swept override ``key``)."""
     measures = [m for m in VERSUS if m in runs.columns]
-    grouped = runs.groupby(["option", "world_size", key], dropna=False)
+    runs = runs.copy()
+    name = key.removeprefix("set:").lstrip("+")
+    # Lines apart by everything else the runs set (an optimizer, a scaling rule), never averaged together.
+    runs["series"] = [run_key(o.split(",") if o else [], ignore=(f"{name}=", f"+{name}=", *QUIET))
+                      for o in runs["overrides"].fillna("")]
+    grouped = runs.groupby(["option", "series", "world_size", key], dropna=False)
     table = grouped[measures].mean()
     for m in measures:
         table[f"{m}_std"] = grouped[m].std().fillna(0.0)
