@@ -20,6 +20,7 @@ from typing import Any
 
 import pandas as pd
 
+from analysis import accuracy
 from testbed.results.wandb_run import group_name
 
 log = logging.getLogger("analysis")
@@ -78,6 +79,10 @@ def tables(table: pd.DataFrame, breakdown: pd.DataFrame, runs: pd.DataFrame, ste
     out = {"scaling": pick(table, SCALING), "breakdown": breakdown.reset_index(drop=True)}
     if "time_to_target" in ok.columns:
         out["time_to_target"] = pick(ok.sort_values(["option", "setting", "world_size"]), TIME_TO_TARGET)
+    if "target_metric" in runs.columns:  # held-out evaluation (analysis.accuracy)
+        out["heldout_target"] = accuracy.target_table(runs)
+    if "source" in runs.columns:
+        out["heldout_evals"] = accuracy.eval_curves(runs)
     if not steps.empty:
         overrides = runs.set_index("source")["overrides"]
         out["steps"] = pick(steps.assign(overrides=steps["source"].map(overrides)), STEP_COLUMNS)

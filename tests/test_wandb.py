@@ -37,9 +37,12 @@ def test_offline_runs_mirror_the_jobs_and_the_sweeps_analysis_joins_them(tmp_pat
     assert run["config"]["sync"]["name"] == "ring" and run["config"]["world_size"] == 2
     assert "sync=ring" in run["config"]["overrides"]
     records = read_jsonl(job / "metrics" / "rank0.jsonl")
-    assert [h["step"] for h in run["history"]] == [r["step"] for r in records]
-    assert [h["loss"] for h in run["history"]] == [r["loss"] for r in records]
-    assert [h["wall_s"] for h in run["history"]] == pytest.approx(list(itertools.accumulate(r["t_step"] for r in records)))
+    history = [h for h in run["history"] if "loss" in h]  # the step records; evaluations are rows of their own
+    assert [h["step"] for h in history] == [r["step"] for r in records]
+    assert [h["loss"] for h in history] == [r["loss"] for r in records]
+    assert [h["wall_s"] for h in history] == pytest.approx(list(itertools.accumulate(r["t_step"] for r in records)))
+    (evaluated,) = [h for h in run["history"] if "eval/step" in h]  # the final model's, held out
+    assert evaluated["eval/accuracy"] == summary["eval"]["final"]["accuracy"] and evaluated["eval/step"] == 5
     assert run["summary"]["throughput"] == summary["throughput"]
     assert run["summary"]["status"] == "ok"
     assert run["summary"]["phases/t_sync"] == summary["phases"]["t_sync"]["median"]

@@ -77,10 +77,11 @@ class WandbRun:
             self._guard("log", self.run.log, {**metrics, "wall_s": self.wall_s})
 
     def log_eval(self, row: dict[str, Any]) -> None:
-        """A held-out evaluation (testbed.eval), as ``eval/<metric>`` beside the next step's record."""
+        """A held-out evaluation (testbed.eval): a history row of its own, ``eval/<field>``, whose
+        ``eval/step`` and ``eval/time_s`` are its axes (the step records hold ``step``)."""
         if self.run is not None:
             metrics = {f"eval/{k}": v for k, v in row.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-            self._guard("log", self.run.log, metrics, None, False)
+            self._guard("log", self.run.log, metrics)
 
     def finish(self, summary: dict[str, Any] | None) -> None:
         if self.run is None:
