@@ -23,6 +23,7 @@ import pandas as pd  # noqa: E402
 from analysis.figures import _save, _workers_axis  # noqa: E402
 from analysis.stats import mlperf_score, point, verdicts  # noqa: E402
 from testbed.results.format import markdown_table  # noqa: E402
+from testbed.results.keys import run_key  # noqa: E402
 
 
 def eval_curves(runs: pd.DataFrame) -> pd.DataFrame:
@@ -42,15 +43,17 @@ def eval_curves(runs: pd.DataFrame) -> pd.DataFrame:
 def target_table(runs: pd.DataFrame) -> pd.DataFrame:
     """Per configuration and n over its repeats: runs, reached, time to target (median, interval,
     MLPerf's score), steps and epochs to it (medians), the final held-out accuracy, and the verdict."""
-    ok = runs[(runs["status"] == "ok") & runs["target_metric"].notna()]
+    ok = runs[(runs["status"] == "ok") & runs["target_metric"].notna()].copy()
     if ok.empty:
         return pd.DataFrame()
+    # The race: runs that differ only in synchronizer and codec (and seed, n) chase the same target.
+    ok["race"] = [run_key(o.split(",") if o else [], ignore=("sync=", "compress=")) for o in ok["overrides"].fillna("")]
     rows = []
     for (key, option, setting, n), group in ok.groupby(["config_key", "option", "setting", "world_size"], dropna=False):
         times = [t if r else math.nan for t, r in zip(group["tta_s"], group["tta_reached"])]
         spread = point(times)
         rows.append({
-            "config_key": key, "setting_key": group["setting_key"].iloc[0], "option": option, "setting": setting,
+            "config_key": key, "race": group["race"].iloc[0], "option": option, "setting": setting,
             "world_size": n, "runs": len(group), "reached": int(group["tta_reached"].sum()),
             "target": f"{group['target_metric'].iloc[0]} {group['target_value'].iloc[0]:g}",
             "tta_median": spread["median"], "tta_lo": spread["lo"], "tta_hi": spread["hi"],
@@ -59,9 +62,9 @@ def target_table(runs: pd.DataFrame) -> pd.DataFrame:
             "eval_share": group["tta_eval_share"].median(),
             "final_accuracy": group["eval_accuracy"].median(),
         })
-    table = pd.DataFrame(rows).sort_values(["setting_key", "world_size", "tta_median"]).reset_index(drop=True)
+    table = pd.DataFrame(rows).sort_values(["race", "world_size", "tta_median"]).reset_index(drop=True)
     table["verdict"] = ""
-    for _, group in table.groupby(["setting_key", "world_size"], dropna=False):
+    for _, group in table.groupby(["race", "world_size"], dropna=False):
         points = [{"median": r.tta_median, "lo": r.tta_lo, "hi": r.tta_hi} for r in group.itertuples()]
         table.loc[group.index, "verdict"] = verdicts(points, higher_is_better=False)
     return table

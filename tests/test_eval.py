@@ -130,6 +130,7 @@ def test_a_target_with_stop_ends_every_rank_at_its_first_evaluation(runs: dict[s
     reached = summary["time_to_target"]
     assert summary["status"] == "ok" and reached["reached"] and reached["status"] == "reached"
     assert reached["steps"] == 3 and reached["samples"] == 180 and summary["steps"] == 3
+    assert reached["epochs"] == pytest.approx(180 / 400)  # of the 400 training signals
     rows = read_jsonl(job / "metrics" / "eval.jsonl")
     assert len(rows) == 1 and reached["seconds"] == rows[0]["time_s"]
     assert 0 < reached["t_eval_share"] < 1

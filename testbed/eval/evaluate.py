@@ -60,13 +60,13 @@ class Evaluator:
     rank 0, and remembers the first row that meets the target."""
 
     def __init__(self, cfg: Any, heldout: HeldOut, spec: DataSpec, world: World, job_dir: Path,
-                 global_batch: int, steps_per_epoch: float | None, autocast: Any,
+                 global_batch: int, train_samples: int | None, autocast: Any,
                  on_row: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.every, self.at_end, self.batch_size = int(cfg.eval.every), bool(cfg.eval.at_end), int(cfg.eval.batch_size)
         self.total = min(len(heldout), int(cfg.eval.samples or len(heldout)))
         self.heldout, self.spec, self.world = heldout, spec, world
         self.autocast = autocast if autocast is not None else nullcontext()
-        self.global_batch, self.steps_per_epoch = global_batch, steps_per_epoch
+        self.global_batch, self.train_samples = global_batch, train_samples
         self.target = Target(cfg.target)
         self.rows: list[dict[str, Any]] = []
         self.reached: dict[str, Any] | None = None
@@ -104,7 +104,7 @@ class Evaluator:
         done = step + 1
         row = {
             "step": step, "samples_seen": done * self.global_batch,
-            "epoch": done / self.steps_per_epoch if self.steps_per_epoch else None,
+            "epoch": done * self.global_batch / self.train_samples if self.train_samples else None,
             "time_s": elapsed_s + t_eval, "t_eval": t_eval, "t_eval_total": self.t_eval, **which,
             **metrics_from(sums, self.spec),
         }

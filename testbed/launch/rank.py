@@ -80,7 +80,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
         torch.manual_seed(cfg.seed)  # identical initial replicas on every rank
         sizes = shard_batches(cfg)
         spec, data = build_data(cfg.data, sizes, world.rank, cfg.seed, world.device)
-        steps_per_epoch = data.describe().get("steps_per_epoch")
+        train_samples = data.describe().get("samples")  # the training split's size, for epochs
         batches = objective_batches(cfg.model, data, spec, cfg.seed, world.rank)
         model = build_model(cfg.model, spec).to(world.device)
         if cfg.sync_bn:
@@ -102,7 +102,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
         step_log = StepLog(metrics_path(Path(job_dir), world.rank))
         for record in earlier:
             step_log.write(record)
-        evaluator = _evaluator(cfg, spec, world, Path(job_dir), steps_per_epoch, sum(sizes) * int(cfg.sync.accumulate),
+        evaluator = _evaluator(cfg, spec, world, Path(job_dir), train_samples, sum(sizes) * int(cfg.sync.accumulate),
                                tracker.log_eval if tracker else None)
         trainer = Trainer(
             optimizer, sync, batches, world, step_log, cfg.steps,
@@ -188,14 +188,14 @@ def _finish(
     return summary
 
 
-def _evaluator(cfg: Any, spec: Any, world: World, job_dir: Path, steps_per_epoch: float | None,
+def _evaluator(cfg: Any, spec: Any, world: World, job_dir: Path, train_samples: int | None,
                global_batch: int, on_row: Callable[[dict[str, Any]], None] | None) -> Evaluator | None:
     """Held-out evaluation, where the data has a held-out split and the run asks for any."""
     if not evaluates(cfg, heldout_of(cfg.data)):
         return None
     heldout = model_heldout(cfg.model, build_heldout(cfg.data, cfg.seed), spec, cfg.seed)
     autocast = torch.autocast(device_type=world.device.type, dtype=torch.bfloat16) if cfg.precision == "bf16" else None
-    return Evaluator(cfg, heldout, spec, world, job_dir, global_batch, steps_per_epoch, autocast, on_row)
+    return Evaluator(cfg, heldout, spec, world, job_dir, global_batch, train_samples, autocast, on_row)
 
 
 def _checkpointer(
