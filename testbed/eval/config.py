@@ -18,7 +18,9 @@ class EvalConfig:
     every: int = 0  # steps between evaluations during the run; 0: none
     samples: int | None = None  # the first this many of the held-out split; null: all of it
     at_end: bool = True  # evaluate the final model (skipped for data without a held-out split)
-    batch_size: int = 512  # samples per forward pass on each rank
+    # Samples per forward pass on each rank; null: the training batch per rank (a language model's
+    # logits, batch x seq_len x vocabulary, then take the memory training's do).
+    batch_size: int | None = None
 
 
 @dataclass
@@ -41,7 +43,7 @@ def check_eval(cfg: Any, heldout_missing: str | None, metrics: tuple[str, ...]) 
     ev, target = cfg.eval, cfg.target
     require(ev.every >= 0, f"eval.every={ev.every}: steps between evaluations, must be >= 0 (0: none during the run)")
     require(ev.samples is None or ev.samples >= 1, f"eval.samples={ev.samples}: must be >= 1, or null for the whole split")
-    require(ev.batch_size >= 1, f"eval.batch_size={ev.batch_size}: must be >= 1")
+    require(ev.batch_size is None or ev.batch_size >= 1, f"eval.batch_size={ev.batch_size}: must be >= 1 (null: the training batch)")
     require(not (ev.every and heldout_missing), f"eval.every={ev.every}: {heldout_missing}")
     if target.metric is None:
         require(target.value is None and not target.stop,

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from testbed.batch import per_rank_batch
 from testbed.data.batches import HeldOut
 from testbed.data.spec import DataSpec
 from testbed.eval.config import HIGHER_IS_BETTER
@@ -62,7 +63,8 @@ class Evaluator:
     def __init__(self, cfg: Any, heldout: HeldOut, spec: DataSpec, world: World, job_dir: Path,
                  global_batch: int, train_samples: int | None, autocast: Any,
                  on_row: Callable[[dict[str, Any]], None] | None = None) -> None:
-        self.every, self.at_end, self.batch_size = int(cfg.eval.every), bool(cfg.eval.at_end), int(cfg.eval.batch_size)
+        self.every, self.at_end = int(cfg.eval.every), bool(cfg.eval.at_end)
+        self.batch_size = int(cfg.eval.batch_size or per_rank_batch(cfg))
         self.total = min(len(heldout), int(cfg.eval.samples or len(heldout)))
         self.heldout, self.spec, self.world = heldout, spec, world
         self.autocast = autocast if autocast is not None else nullcontext()
