@@ -61,7 +61,9 @@ def _pool_single_workers(runs: pd.DataFrame, table: pd.DataFrame) -> None:
     ring and tree are no-ops at n = 1): its runs of one setting are pooled into one point, so that
     noise between them does not show as a difference between synchronizers. A synchronizer that
     communicates even alone (a parameter server's round trip) keeps its own point."""
-    alone = runs[(runs["world_size"] == 1) & (runs["bytes_per_step"].fillna(0) == 0)]
+    measured = ~runs["simulated"].astype(bool) if "simulated" in runs.columns else True
+    # Predictions are exact, not noisy: a simulated run keeps its own point.
+    alone = runs[(runs["world_size"] == 1) & (runs["bytes_per_step"].fillna(0) == 0) & measured]
     for key, group in alone.groupby("setting_key", dropna=False):
         pooled = point(list(group["throughput"]))
         rows = (table["world_size"] == 1) & (table["setting_key"] == key) & table["option"].isin(group["option"])

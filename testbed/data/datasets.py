@@ -50,7 +50,7 @@ DIGITS_HOLDOUT = 5
 
 def digits() -> Tensors:
     """scikit-learn's 1797 real 8x8 handwritten digits, scaled to [0, 1], as 1-channel images, with
-    a fixed stratified fifth of each class held out (360 samples)."""
+    a fixed stratified fifth of each class held out (364 samples)."""
     from sklearn.datasets import load_digits
 
     bunch = load_digits()

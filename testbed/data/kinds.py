@@ -44,11 +44,14 @@ class DataKind:
 # --- in-memory kinds: one generator gives both splits --------------------------------------------
 
 
+VAL_SAMPLES = 1024  # data.val_samples' default, for a data config given without it
+
 # Each in-memory kind's generator: (data config as plain values, seed) -> both splits.
 _GENERATORS: dict[str, Callable[[dict[str, Any], int], datasets.Tensors]] = {
     "synthetic": lambda c, seed: datasets.synthetic_classification(
-        c["shape"], c["num_classes"], c["num_samples"], c["val_samples"], seed),
-    "lm": lambda c, seed: datasets.synthetic_lm(c["vocab_size"], c["seq_len"], c["num_samples"], c["val_samples"], seed),
+        c["shape"], c["num_classes"], c["num_samples"], c.get("val_samples", VAL_SAMPLES), seed),
+    "lm": lambda c, seed: datasets.synthetic_lm(c["vocab_size"], c["seq_len"], c["num_samples"],
+                                                c.get("val_samples", VAL_SAMPLES), seed),
     "digits": lambda c, seed: datasets.digits(),
     "mnist1d": lambda c, seed: datasets.mnist1d(c["num_samples"]),
 }

@@ -18,8 +18,8 @@ class EvalConfig:
     every: int = 0  # steps between evaluations during the run; 0: none
     samples: int | None = None  # the first this many of the held-out split; null: all of it
     at_end: bool = True  # evaluate the final model (skipped for data without a held-out split)
-    # Samples per forward pass on each rank; null: the training batch per rank (a language model's
-    # logits, batch x seq_len x vocabulary, then take the memory training's do).
+    # Samples per forward pass on each rank; null: the training batch per rank, so that a language
+    # model's logits (batch x seq_len x vocabulary) take no more memory than in training.
     batch_size: int | None = None
 
 
@@ -39,7 +39,7 @@ def evaluates(cfg: Any, heldout_missing: str | None) -> bool:
 
 def check_eval(cfg: Any, heldout_missing: str | None, metrics: tuple[str, ...]) -> None:
     """``heldout_missing``: why the data has no held-out split (None when it has one); ``metrics``:
-    what evaluating this model on this data measures (testbed.eval.evaluate.metrics_of)."""
+    what evaluating this model on this data measures (testbed.eval.metrics.metrics_of)."""
     ev, target = cfg.eval, cfg.target
     require(ev.every >= 0, f"eval.every={ev.every}: steps between evaluations, must be >= 0 (0: none during the run)")
     require(ev.samples is None or ev.samples >= 1, f"eval.samples={ev.samples}: must be >= 1, or null for the whole split")
