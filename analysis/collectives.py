@@ -21,7 +21,7 @@ import pandas as pd  # noqa: E402
 
 from analysis.figures import _save  # noqa: E402
 from testbed.results.format import markdown_table  # noqa: E402
-from testbed.sim.calibrate import Fit, fit_records, model  # noqa: E402
+from testbed.sim.calibrate import FALLBACK_IMPLS, Fit, fit_records, model  # noqa: E402
 
 
 def draw(records: list[dict[str, Any]], fits: list[Fit], out: Path) -> list[Path]:
@@ -63,7 +63,7 @@ def comm_vs_n(records: list[dict[str, Any]], fits: list[Fit], out: Path) -> list
     fitted alpha-beta lines extended to 64 workers; and the parameter server against its shard
     count k at the largest measured n (BytePS's analysis)."""
     by_key = {(f.link, f.impl): f for f in fits}
-    sizes = [r["bytes"] for r in records if r["impl"] in ("ring", "native")] or [r["bytes"] for r in records]
+    sizes = [r["bytes"] for r in records if r["impl"] in FALLBACK_IMPLS] or [r["bytes"] for r in records]
     size = max(set(sizes), key=lambda s: (sizes.count(s), s))  # the most common size, the largest on ties
     at_size = [r for r in records if r["bytes"] == size and r.get("correct", True)]
     fig, (ax_n, ax_k) = plt.subplots(1, 2, figsize=(11, 4))

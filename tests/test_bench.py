@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 from conftest import read_json, run_cli
 
+from testbed.collectives.registry import COLLECTIVES
+
 FIELDS = {"impl", "world_size", "bytes", "time_s", "algbw", "busbw", "correct"}
 
 
@@ -16,7 +18,7 @@ def test_benchmark_records_and_table(tmp_path: Path) -> None:
                    cwd=tmp_path, module="testbed.bench")
     assert proc.returncode == 0, proc.stderr[-2000:]
     records = read_json(out)
-    impls = ("native", "ring", "tree", "halving_doubling")
+    impls = tuple(COLLECTIVES)  # every registered algorithm, by default
     assert {(r["impl"], r["world_size"], r["bytes"]) for r in records} == {
         (impl, n, size) for impl in impls for n in (2, 3) for size in (4096, 1 << 18, 1 << 20)
     }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from testbed.bench.bound import bound_fraction, fit_link, probe_sizes
-from testbed.sim.costs import Link
+from testbed.costs import Link
 
 pytestmark = pytest.mark.unit
 

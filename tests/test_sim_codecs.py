@@ -12,10 +12,10 @@ from hydra import compose, initialize_config_dir
 
 from testbed.checks import ConfigError
 from testbed.compress import build_codec
+from testbed.costs import Link, allgather, ring
 from testbed.paths import config_dir
 from testbed.sim import calibrate
 from testbed.sim.codecs import CodecFit, fit_codec_records
-from testbed.sim.costs import Link, allgather, ring
 from testbed.sim.step import communication_bound_s, gradient_shapes, gradient_tensors, simulate
 from testbed.sync.flat import bucket_ends
 

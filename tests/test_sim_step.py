@@ -11,11 +11,11 @@ from conftest import read_json, run_cli
 from hydra import compose, initialize_config_dir
 
 from testbed.checks import ConfigError
+from testbed.costs import Cost, Link, parameter_server, ring
 from testbed.data import spec_for
 from testbed.models import build_model, gradient_bytes
 from testbed.paths import config_dir
 from testbed.results.summary import load_summaries
-from testbed.sim.costs import Cost, Link, parameter_server, ring
 from testbed.sim.step import exposed_comm, gradient_ready, gradient_tensors, simulate
 from testbed.sim.validate import validate
 from testbed.sync.flat import bucket_ends

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from testbed.bench.collectives import IMPLS, bench_rank
 from testbed.bench.table import format_results, parse_bytes, size_series
+from testbed.collectives.registry import TREE_CHUNK_BYTES
 from testbed.launch.spawn import RankFailure, spawn_world
 from testbed.netem import EmulatedNetwork, NetworkUnavailable, parse_rate
 
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="", help="explicit comma-separated sizes (overrides min/max/factor)")
     parser.add_argument("--iters", type=int, default=0, help="timed iterations per point (0: by size)")
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--tree-chunk-kb", type=int, default=512)
+    parser.add_argument("--tree-chunk-kb", type=int, default=TREE_CHUNK_BYTES // 1024)
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     parser.add_argument("--bandwidth", default="", help="emulate links of this rate (e.g. 100mbit, 1gbit): one network namespace per rank")
     parser.add_argument("--latency-ms", type=float, default=0.0,

@@ -3,7 +3,7 @@
 The link is calibrated in the same run, independently of every implementation: ranks 0 and 1
 time one-way transfers (``probe_link``), and a line through time against bytes gives alpha and
 beta (``fit_link``). An implementation's bound is its algorithm's cost on that link
-(testbed.sim.costs): the ring for ``native`` and ``ring`` (the bandwidth-optimal all-reduce, which
+(testbed.collectives.registry): the ring for ``native`` and ``ring`` (the bandwidth-optimal all-reduce, which
 Gloo's own runs on CPU), the two binary trees of ``tree``, link by link, at their best chunk size,
 Rabenseifner's halving-doubling for ``halving_doubling``, push then pull through k separate servers
 for ``ps_k<k>`` and ``grpc_raw``. ``fraction = bound / measured``: 1 for an implementation that
@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 from scipy.optimize import nnls
 
+from testbed.collectives.registry import collective
+from testbed.costs import Cost, Link, parameter_server
 from testbed.netem.rank import enter_rank_namespace
-from testbed.sim.costs import Cost, Link, halving_doubling, parameter_server, ring, two_tree_reduce_broadcast
 
 PROBE_MIN_BYTES = 1 << 20  # smaller transfers pass within an emulated link's burst (testbed.sim.calibrate)
 # Medians of fewer transfers let one slow 1 MiB sample outweigh 4 MiB on a busy machine (beta fit 0).
@@ -36,29 +37,8 @@ def algorithm_cost(impl: str, n: int, nbytes: float, link: Link) -> Cost | None:
     server = re.fullmatch(r"ps_k(\d+)", impl)
     if server or impl == "grpc_raw":
         return parameter_server(n, nbytes, servers=int(server.group(1)) if server else 1)
-    if n == 1:
-        return None
-    if impl in ("native", "ring"):
-        return ring(n, nbytes)
-    if impl == "tree":
-        return best_two_tree(n, nbytes, link)
-    if impl == "halving_doubling":
-        return halving_doubling(n, nbytes)
-    raise ValueError(f"impl: no bound for {impl!r}")
-
-
-def best_two_tree(n: int, nbytes: float, link: Link) -> Cost:
-    """The two-tree all-reduce at its best chunk size (powers of two from 4 KiB to half the buffer).
-
-    The generic double binary tree formula (2 M beta for large M) holds from n = 4 on; at n = 2 and 3
-    no rank has two children and the trees move M beta, as the ring does."""
-    chunk, candidates = 4096.0, []
-    while True:
-        candidates.append(two_tree_reduce_broadcast(n, nbytes, chunk))
-        if chunk >= nbytes / 2:
-            break
-        chunk *= 2
-    return min(candidates, key=lambda cost: cost.time(link))
+    spec = collective(impl)
+    return None if n == 1 else spec.best(n, nbytes, link)
 
 
 def bound_fraction(record: dict[str, Any], link: Link) -> float | None:

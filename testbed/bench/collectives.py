@@ -20,12 +20,11 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from testbed.bench.bound import bound_fraction, calibrate_link, probe_sizes
-from testbed.collectives import halving_doubling_allreduce_, ring_allreduce_, scratch_elems, tree_allreduce_
-from testbed.collectives.tree import SCRATCH_CHUNKS
+from testbed.collectives.registry import COLLECTIVES, Setting
 from testbed.netem import enter_rank_namespace
 from testbed.timing import synchronize
 
-IMPLS = ("native", "ring", "tree", "halving_doubling")
+IMPLS = tuple(COLLECTIVES)
 
 
 @dataclass
@@ -56,21 +55,11 @@ def default_iters(nbytes: int) -> int:
     return 5
 
 
-def _impl(
-    name: str, numel: int, device: torch.device, tree_chunk_elems: int, second_group: dist.ProcessGroup
-) -> Callable[[torch.Tensor], None]:
-    if name == "native":
-        return lambda buf: dist.all_reduce(buf)
-    if name == "ring":
-        scratch = torch.empty(-(-numel // dist.get_world_size()), device=device)
-        return lambda buf: ring_allreduce_(buf, scratch=scratch) and None
-    if name == "tree":
-        scratch = torch.empty(SCRATCH_CHUNKS * tree_chunk_elems, device=device)
-        return lambda buf: tree_allreduce_(buf, chunk_elems=tree_chunk_elems, scratch=scratch, second_group=second_group) and None
-    if name == "halving_doubling":
-        scratch = torch.empty(scratch_elems(numel, dist.get_world_size()), device=device)
-        return lambda buf: halving_doubling_allreduce_(buf, scratch=scratch) and None
-    raise ValueError(f"--impls: unknown {name!r}; allowed: {','.join(IMPLS)}")
+def _runner(name: str, numel: int, device: torch.device, setting: Setting) -> Callable[[torch.Tensor], None]:
+    spec = COLLECTIVES[name]
+    elems = spec.scratch_elems(numel, dist.get_world_size(setting.group), setting)
+    scratch = torch.empty(elems, device=device) if elems else None
+    return lambda buf: spec.run(buf, scratch, setting) and None
 
 
 @record
@@ -86,7 +75,8 @@ def bench_rank(
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     torch.set_num_threads(1)
     results: list[dict] = []
-    second_group = dist.new_group()  # the tree's second tree on its own connections (testbed.collectives.tree)
+    # The tree's second tree on its own connections (testbed.collectives.tree).
+    setting = Setting(second_group=dist.new_group(), chunk_bytes=tree_chunk_kb * 1024)
     try:
         link = calibrate_link(probe_sizes(sizes), iters or 5, device) if n > 1 else None
         for nbytes in sizes:
@@ -96,7 +86,7 @@ def bench_rank(
             expected = (torch.arange(numel, dtype=torch.float32, device=device) % 997) * n + n * (n - 1) / 2
             buf = torch.empty_like(pattern)
             for name in impls:
-                run = _impl(name, numel, device, max(1, tree_chunk_kb * 256), second_group)
+                run = _runner(name, numel, device, setting)
                 buf.copy_(pattern)
                 run(buf)
                 correct = torch.equal(buf, expected)

@@ -43,6 +43,7 @@ from testbed.bench.bound import algorithm_cost, bound_fraction, probe_sizes, pro
 from testbed.bench.collectives import bench_rank, default_iters
 from testbed.bench.table import format_results, human, parse_bytes
 from testbed.collectives import chunk_bounds
+from testbed.costs import Link
 from testbed.latency import link_delay
 from testbed.launch.spawn import RankFailure, spawn_world
 from testbed.netem import EmulatedNetwork, NetworkUnavailable, enter_rank_namespace, parse_rate
@@ -51,7 +52,6 @@ from testbed.ps import parameter_server_pb2_grpc as pb_grpc
 from testbed.ps.client import PsClient
 from testbed.ps.launch import LocalServers, wait_healthy, wait_port_file
 from testbed.ps.wire import CHANNEL_OPTIONS, auth_metadata, chunks, keep_freed_memory
-from testbed.sim.costs import Link
 
 CHUNK_BYTES = 1 << 20
 SGD = {"name": "sgd", "lr": 1.0, "momentum": 0.0, "weight_decay": 0.0, "nesterov": False}

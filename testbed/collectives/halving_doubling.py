@@ -8,7 +8,7 @@ Other n fold first: with p the largest power of two <= n and r = n - p, ranks 2i
 pair up, the even one sends its whole buffer to the odd one, which adds it; the odd ranks and the
 last n - 2r ranks run the power-of-two algorithm, and the odd ranks send the result back to their
 even neighbour at the end. That is 2 log2 p + 2 messages on the critical path and one extra buffer
-each way for the 2r folded ranks (testbed.sim.costs.halving_doubling).
+each way for the 2r folded ranks (testbed.costs.halving_doubling).
 """
 
 from __future__ import annotations

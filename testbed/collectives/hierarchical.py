@@ -11,30 +11,15 @@ torchrun and the emulated two-level network place them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 
+from testbed.checks import ConfigError
 from testbed.collectives.common import Traffic, chunk_bounds
-from testbed.collectives.halving_doubling import halving_doubling_allreduce_
-from testbed.collectives.ring import ring_allgather_chunks_, ring_allreduce_, ring_reduce_scatter_
+from testbed.collectives.registry import Setting, collective
+from testbed.collectives.ring import ring_allgather_chunks_, ring_reduce_scatter_
 
 Group = dist.ProcessGroup | None
-
-
-def _native(buf: torch.Tensor, group: Group) -> Traffic:
-    dist.all_reduce(buf, group=group)
-    n = dist.get_world_size(group)
-    share = 2 * (n - 1) * buf.numel() * buf.element_size() // n  # the ring's traffic, as the benchmark counts it
-    return Traffic(share, share)
-
-
-INTER: dict[str, Callable[[torch.Tensor, Group], Traffic]] = {
-    "ring": lambda buf, group: ring_allreduce_(buf, group),
-    "halving_doubling": lambda buf, group: halving_doubling_allreduce_(buf, group),
-    "native": _native,
-}
 
 
 def node_size(given: int | None, world_size: int, local_world_size: int, what: str) -> int:
@@ -42,7 +27,7 @@ def node_size(given: int | None, world_size: int, local_world_size: int, what: s
     the world (``what`` names the synchronizer in the refusal)."""
     per_node = int(given or local_world_size)
     if world_size % per_node:
-        raise SystemExit(f"{what}: {per_node} ranks per node do not divide world_size={world_size}")
+        raise ConfigError(f"{what}: {per_node} ranks per node do not divide world_size={world_size}")
     return per_node
 
 
@@ -54,11 +39,12 @@ def node_groups(world_size: int, per_node: int) -> tuple[list[list[int]], list[l
 
 def hierarchical_allreduce_(buf: torch.Tensor, intra: Group, inter: Group, across: str = "ring") -> Traffic:
     """Sum ``buf`` (1-D) over every rank in place: ``intra`` is this rank's node, ``inter`` the
-    ranks of its local rank on the other nodes, ``across`` the algorithm between nodes."""
+    ranks of its local rank on the other nodes, ``across`` the algorithm between nodes (one of the
+    registry's ``BETWEEN_NODES``)."""
     size, local = dist.get_world_size(intra), dist.get_rank(intra)
     traffic = ring_reduce_scatter_(buf, intra)
     lo, hi = chunk_bounds(buf.numel(), size)[(local + 1) % size]
     if hi > lo and dist.get_world_size(inter) > 1:
-        traffic += INTER[across](buf[lo:hi], inter)
+        traffic += collective(across, "sync.inter").run(buf[lo:hi], None, Setting(group=inter))
     traffic += ring_allgather_chunks_(buf, intra)
     return traffic

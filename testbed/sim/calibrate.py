@@ -1,7 +1,7 @@
 """Fit link alpha and beta to the testbed's benchmark records, and measure compute per sample.
 
 Each benchmark record (``python -m testbed.bench`` or ``python -m testbed.bench.ps``) is one measured
-synchronization time; its cost model (testbed.sim.costs) gives the alpha and beta coefficients, so
+synchronization time; its cost model (testbed.costs) gives the alpha and beta coefficients, so
 one (link, impl) series is a two-unknown linear fit. Residuals are relative (each row divided by its
 measured time), so 4 KB and 256 MB points weigh alike.
 
@@ -27,9 +27,10 @@ from typing import Any
 import numpy as np
 from scipy.optimize import nnls
 
+from testbed.collectives.registry import COLLECTIVES
+from testbed.costs import Cost, Link, parameter_server
 from testbed.results.step_log import metrics_path, read_step_log
 from testbed.sim.codecs import CodecFit, fit_codec_records
-from testbed.sim.costs import Cost, Link, halving_doubling, parameter_server, ring, two_tree_reduce_broadcast
 
 DEFAULT_LINK = "loopback"  # records written before the bench kept a link key were all loopback
 TREE_CHUNK_BYTES = 1 << 20  # the bench's chunk for records without tree_chunk_kb (written before it was recorded)
@@ -37,7 +38,8 @@ TREE_CHUNK_BYTES = 1 << 20  # the bench's chunk for records without tree_chunk_k
 # within the shaper's burst (64 KiB, or rate/500: 250 KB at 1 Gbit/s) at memory speed, which no
 # alpha-beta line describes.
 MIN_BYTES = 1 << 20
-FALLBACK_IMPLS = ("native", "ring")
+# All-reduces whose fit prices one that has none on the link, in order.
+FALLBACK_IMPLS = tuple(name for name, spec in COLLECTIVES.items() if spec.stands_in)
 
 
 @dataclass
@@ -65,23 +67,15 @@ def model(record: dict[str, Any], tree_chunk_bytes: int = TREE_CHUNK_BYTES) -> C
     ps_k1, so it gets the same model: its fit is the transport ceiling for the PS fits.
     """
     impl, n, nbytes = record["impl"], int(record["world_size"]), float(record["bytes"])
-    if impl in ("native", "ring", "tree", "halving_doubling") and n == 1:
-        return None  # an all-reduce over one rank sends nothing
-    if impl in ("native", "ring"):
-        return ring(n, nbytes)
-    if impl == "tree":
+    if impl in COLLECTIVES:
         chunk = record["tree_chunk_kb"] * 1024 if "tree_chunk_kb" in record else tree_chunk_bytes
-        return two_tree_reduce_broadcast(n, nbytes, chunk)
-    if impl == "halving_doubling":
-        return halving_doubling(n, nbytes)
+        return None if n == 1 else COLLECTIVES[impl].cost(n, nbytes, chunk)  # one rank sends nothing
     if impl == "grpc_raw":
         return parameter_server(n, nbytes, servers=1)
     match = re.fullmatch(r"ps_k(\d+)", impl)
     if match:
         return parameter_server(n, nbytes, servers=int(match.group(1)))  # strict push, then pull
-    raise ValueError(
-        f"records: unknown impl {impl!r}; allowed: native, ring, tree, halving_doubling, grpc_raw, ps_k<servers>"
-    )
+    raise ValueError(f"records: unknown impl {impl!r}; allowed: {', '.join(COLLECTIVES)}, grpc_raw, ps_k<servers>")
 
 
 def load_records(paths: Iterable[str | Path]) -> list[dict[str, Any]]:

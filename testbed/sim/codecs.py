@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 
 from testbed.checks import ConfigError
-from testbed.compress import CODECS, build_codec, label
+from testbed.compress import build_codec, label
+from testbed.sync import spec_of
 
 
 @dataclass
@@ -80,17 +80,10 @@ def lookup_codec(fits: list[CodecFit], codec_label: str) -> CodecFit | None:
 
 
 def codec_config(cfg: Any) -> Any | None:
-    """The codec a run applies: ``compress``, or the one DDP's hook (sync.hook) stands for."""
-    hook = cfg.sync.get("hook", "none")
-    if cfg.sync.name == "ddp" and hook != "none":
-        if hook != "powersgd":
-            return OmegaConf.structured(CODECS[hook].schema)
-        state = cfg.sync.powersgd
-        return OmegaConf.merge(OmegaConf.structured(CODECS["powersgd"].schema), {
-            "rank": state.matrix_approximation_rank, "start_step": state.start_powerSGD_iter,
-            "warm_start": state.warm_start, "min_compression_rate": state.min_compression_rate,
-            "error_feedback": state.use_error_feedback,
-        })
+    """The codec a run applies: ``compress``, or the synchronizer's own (DDP's hook)."""
+    own = spec_of(cfg.sync.name).sim.codec
+    if own is not None:
+        return own(cfg)
     compress = cfg.get("compress")
     return None if compress is None or compress.name == "none" else compress
 

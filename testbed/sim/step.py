@@ -5,7 +5,7 @@ The model composes, per rank and step:
   times the rank's batch and accumulation micro-steps, plus the optimizer; ranks sharing
   ``sim.cores`` cores slow down in proportion;
 - the imbalance group's delays, drawn exactly as the trainer draws them (testbed.sim.events);
-- communication: the synchronizer's alpha-beta cost (testbed.sim.costs) per bucket, with the
+- communication: the synchronizer's alpha-beta cost (testbed.costs) per bucket, with the
   link fitted for that synchronizer's implementation (where the run compresses: of the codec's
   payloads, plus its encode and decode time, testbed.sim.codecs); with overlap, buckets start as
   backward produces their gradients (at an even rate, in bucket order) on one communication
@@ -36,6 +36,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from testbed import config
 from testbed.checks import require
 from testbed.collectives.common import chunk_bounds
+from testbed.costs import ZERO, Cost, Link, allgather
 from testbed.data import spec_for
 from testbed.imbalance import shard_batches
 from testbed.models import build_model, example_input
@@ -44,7 +45,6 @@ from testbed.paths import in_checkout
 from testbed.results.summary import summarize
 from testbed.sim import calibrate, codecs
 from testbed.sim.codecs import CodecPlan, Compressed
-from testbed.sim.costs import ZERO, Cost, Link, allgather
 from testbed.sim.events import compute_times, simulate_ps
 from testbed.sync import run_label, spec_of
 from testbed.sync.flat import bucket_ends

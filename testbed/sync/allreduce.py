@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from testbed.sim.costs import ring
+from testbed.costs import ring
 from testbed.sync.flat import FlatGradSynchronizer, InFlight, Traffic
 from testbed.sync.spec import BucketedSyncConfig, SimModel, SyncSpec, node_ordered_ring
 

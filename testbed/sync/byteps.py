@@ -34,8 +34,8 @@ from testbed.checks import require, resolved_device
 from testbed.collectives.common import chunk_bounds
 from testbed.collectives.hierarchical import node_groups, node_size
 from testbed.collectives.ring import ring_allgather_chunks_, ring_reduce_scatter_
+from testbed.costs import ZERO, Cost, Link, parameter_server, ring
 from testbed.ps.modes import MAX_CHUNK_KB
-from testbed.sim.costs import ZERO, Cost, Link, parameter_server, ring
 from testbed.sync.base import Synchronizer, SyncReport, flat_views
 from testbed.sync.spec import Servers, SimModel, SyncBase, SyncSpec, ranks_per_node, require_gloo_cpu
 from testbed.world import World

@@ -20,6 +20,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from testbed.checks import require
+from testbed.compress import CODECS
 from testbed.models import gradient_bytes
 from testbed.sync.allreduce import NATIVE
 from testbed.sync.base import Synchronizer, SyncReport
@@ -117,6 +118,21 @@ def _check(cfg: Any) -> None:
                 f"sync.powersgd.start_powerSGD_iter={ps.start_powerSGD_iter}: torch needs > 1 with error feedback or warm start")
 
 
+def _hook_codec(cfg: Any) -> Any | None:
+    """The testbed codec that the hook (sync.hook) stands for, as the simulator costs it."""
+    hook = cfg.sync.get("hook", "none")
+    if hook == "none":
+        return None
+    if hook != "powersgd":
+        return OmegaConf.structured(CODECS[hook].schema)
+    state = cfg.sync.powersgd
+    return OmegaConf.merge(OmegaConf.structured(CODECS["powersgd"].schema), {
+        "rank": state.matrix_approximation_rank, "start_step": state.start_powerSGD_iter,
+        "warm_start": state.warm_start, "min_compression_rate": state.min_compression_rate,
+        "error_feedback": state.use_error_feedback,
+    })
+
+
 def _label(sync: Mapping[str, Any]) -> str:
     hook = sync.get("hook", "none")
     if hook == "powersgd":
@@ -127,5 +143,7 @@ def _label(sync: Mapping[str, Any]) -> str:
 SPEC = SyncSpec(
     name="ddp", schema=DdpSyncConfig, impl=DdpSync, check=_check, label=_label,
     no_codec="DDP runs torch's own hooks: use sync.hook=fp16|bf16|powersgd",
-    sim=SimModel(series=NATIVE.series, cost=NATIVE.cost, two_level=NATIVE.two_level, overlap=lambda cfg: True),  # DDP always overlaps
+    # DDP always overlaps.
+    sim=SimModel(series=NATIVE.series, cost=NATIVE.cost, two_level=NATIVE.two_level, overlap=lambda cfg: True,
+                 codec=_hook_codec),
 )

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from testbed.collectives.halving_doubling import halving_doubling_allreduce_, scratch_elems
-from testbed.sim.costs import halving_doubling
+from testbed.costs import halving_doubling
 from testbed.sync.flat import FlatGradSynchronizer
 from testbed.sync.spec import BucketedSyncConfig, SimModel, SyncSpec, require_gloo_cpu
 

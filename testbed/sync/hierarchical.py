@@ -16,19 +16,18 @@ import torch.distributed as dist
 from torch import nn
 
 from testbed.checks import require
-from testbed.collectives.hierarchical import INTER, hierarchical_allreduce_, node_groups, node_size
-from testbed.sim.costs import Cost, Link, halving_doubling, ring, shared
+from testbed.collectives.hierarchical import hierarchical_allreduce_, node_groups, node_size
+from testbed.collectives.registry import BETWEEN_NODES, COLLECTIVES, Setting
+from testbed.costs import Cost, Link, ring, shared
 from testbed.sync.flat import FlatGradSynchronizer
 from testbed.sync.spec import BucketedSyncConfig, SimModel, SyncSpec, ranks_per_node, require_gloo_cpu
 from testbed.world import World
-
-INTER_COSTS = {"ring": ring, "halving_doubling": halving_doubling, "native": ring}
 
 
 @dataclass
 class HierarchicalSyncConfig(BucketedSyncConfig):
     name: str = "hierarchical"
-    inter: str = "ring"  # the all-reduce across nodes: ring | halving_doubling | native
+    inter: str = "ring"  # the all-reduce across nodes: one of the registry's BETWEEN_NODES
     ranks_per_node: int | None = None  # null: the ranks of one machine (LOCAL_WORLD_SIZE)
 
 
@@ -54,11 +53,17 @@ class HierarchicalAllReduce(FlatGradSynchronizer):
                 "inter": self.cfg.get("inter", "ring")}
 
 
+def _across(cfg: Any) -> Callable[[int, float], Cost]:
+    """The cost of ``sync.inter`` over (nodes, bytes)."""
+    spec = COLLECTIVES[cfg.sync.inter]
+    return lambda nodes, nbytes: spec.cost(nodes, nbytes, Setting().chunk_bytes)
+
+
 def _cost(cfg: Any) -> Callable[[float], Cost]:
     """On links that are all alike: the node's ring reduce-scatter and all-gather, and the shard's
     all-reduce across nodes."""
     n, per_node = int(cfg.world_size), ranks_per_node(cfg)
-    inter = INTER_COSTS[cfg.sync.inter]
+    inter = _across(cfg)
 
     def cost(s: float) -> Cost:
         total = ring(per_node, s) if per_node > 1 else Cost(0, 0, 0)
@@ -71,7 +76,7 @@ def _two_level(cfg: Any) -> Callable[[float, Link, Link], float]:
     """Inside the node on its links; across, the node's ranks each all-reduce their shard at once,
     so their flows share its uplink."""
     n, per_node = int(cfg.world_size), ranks_per_node(cfg)
-    inter = INTER_COSTS[cfg.sync.inter]
+    inter = _across(cfg)
 
     def seconds(s: float, intra_link: Link, inter_link: Link) -> float:
         inside = ring(per_node, s).time(intra_link) if per_node > 1 else 0.0
@@ -81,7 +86,7 @@ def _two_level(cfg: Any) -> Callable[[float, Link, Link], float]:
 
 
 def _check(cfg: Any) -> None:
-    require(cfg.sync.inter in INTER, f"sync.inter={cfg.sync.inter}: one of {'|'.join(INTER)}")
+    require(cfg.sync.inter in BETWEEN_NODES, f"sync.inter={cfg.sync.inter}: one of {'|'.join(BETWEEN_NODES)}")
     per_node = cfg.sync.ranks_per_node
     require(per_node is None or (per_node >= 1 and cfg.world_size % per_node == 0),
             f"sync.ranks_per_node={per_node}: a divisor of world_size={cfg.world_size} (null: one machine's ranks)")

@@ -28,8 +28,8 @@ from testbed.checks import require, resolved_device
 from testbed.collectives.common import chunk_bounds
 from testbed.compress import build_codec
 from testbed.compress.codec import PayloadCodec, codec_facts, residual_norm
+from testbed.costs import Cost, parameter_server
 from testbed.ps.modes import CHUNK_KB, MAX_CHUNK_KB, MODES, STALENESS
-from testbed.sim.costs import Cost, parameter_server
 from testbed.sync.base import GradReadiness, Synchronizer, SyncReport, flat_views, holding
 from testbed.sync.spec import Servers, SimModel, SyncBase, SyncSpec
 from testbed.world import World

@@ -8,7 +8,7 @@ import torch
 
 from testbed.collectives.common import chunk_bounds
 from testbed.collectives.ring import ring_allreduce_
-from testbed.sim.costs import ring
+from testbed.costs import ring
 from testbed.sync.flat import FlatGradSynchronizer
 from testbed.sync.spec import BucketedSyncConfig, SimModel, SyncSpec, node_ordered_ring, require_gloo_cpu
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from testbed.checks import require, resolved_backend, resolved_device
-from testbed.sim.costs import Cost, Link, ring_two_level
+from testbed.costs import Cost, Link, ring_two_level
 
 
 @dataclass
@@ -46,7 +46,8 @@ class SimModel:
     calibration series (testbed.sim.calibrate) whose link fit prices it. ``two_level(cfg)``, on a
     two-level network (``network.nodes``), the seconds of one message of ``s`` bytes given the link
     inside a node and a node's uplink (its sharing by the node's ranks included); None where the
-    synchronizer is not costed there.
+    synchronizer is not costed there. ``codec(cfg)``: the codec config (testbed.compress) that the
+    synchronizer applies in place of ``compress`` (None: none), for one that compresses its own way.
     """
 
     series: Callable[[Any], str]
@@ -55,6 +56,7 @@ class SimModel:
     schedule: str = "buckets"
     overlap: Callable[[Any], bool] = lambda cfg: bool(cfg.sync.get("overlap", False))
     meets: Callable[[Any, int], bool] = lambda cfg, step: True
+    codec: Callable[[Any], Any | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ class SyncSpec:
 
 
 def node_ordered_ring(cfg: Any) -> Callable[[float, Link, Link], float]:
-    """SimModel.two_level of a ring over the ranks in node order (testbed.sim.costs.ring_two_level)."""
+    """SimModel.two_level of a ring over the ranks in node order (testbed.costs.ring_two_level)."""
     n, nodes = int(cfg.world_size), int(cfg.network.nodes)
     return lambda s, intra, inter: ring_two_level(n, nodes, s, intra, inter)
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from testbed.checks import require
 from testbed.collectives.tree import SCRATCH_CHUNKS, tree_allreduce_
-from testbed.sim.costs import Cost, pipelined_tree, two_tree_reduce_broadcast
+from testbed.costs import Cost, pipelined_tree, two_tree_reduce_broadcast
 from testbed.sync.flat import FlatGradSynchronizer
 from testbed.sync.spec import BucketedSyncConfig, SimModel, SyncSpec, require_gloo_cpu
 from testbed.world import World

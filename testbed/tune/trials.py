@@ -22,6 +22,7 @@ from typing import Any
 
 import pandas as pd
 
+from testbed.collectives.registry import COLLECTIVES
 from testbed.config import short_dirname
 from testbed.results.format import markdown_table, text_table
 from testbed.sim import calibrate
@@ -74,7 +75,6 @@ def single_worker(base: list[str], out: Path, threads: int) -> Path:
     return job
 
 
-COLLECTIVES = ("native", "ring", "tree", "halving_doubling")  # the impls testbed.bench measures
 BENCH_SIZES = "1M,4M,16M"
 
 
@@ -85,14 +85,14 @@ def benchmarked(impl: str) -> bool:
 
 def calibration_for(cfg: Any, calibration: Path, out: Path, lacking: frozenset[str] = frozenset()) -> Path:
     """``calibration``, or a copy in ``out/calibration`` with the fits it lacks for the setting's
-    link, benchmarked there first: all-reduce (python -m testbed.bench: native, ring and tree at the
-    setting's world size) where the link has no fit at all, and the impls of ``lacking`` (the
+    link, benchmarked there first: all-reduce (python -m testbed.bench: every registered algorithm at
+    the setting's world size) where the link has no fit at all, and the impls of ``lacking`` (the
     screen's fallbacks: testbed.bench for an all-reduce, testbed.bench.ps for ``ps_k<k>``)."""
     emulated = cfg.network.name == "emulated"
     link = cfg.sim.link or (str(cfg.network.bandwidth) if emulated else calibrate.DEFAULT_LINK)
     collectives = {i for i in lacking if i in COLLECTIVES}
     if not any(f.link == link for f in calibrate.load(calibration)):
-        collectives |= {"native", "ring", "tree"}
+        collectives |= set(COLLECTIVES)
     unknown = sorted(i for i in lacking if not benchmarked(i))
     if unknown:
         raise ValueError(f"no benchmark measures {', '.join(unknown)}")

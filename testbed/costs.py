@@ -11,7 +11,6 @@ direction of one full-duplex NIC; bytes are those crossing the busiest NIC in on
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -212,30 +211,6 @@ def parameter_server(
         return Cost(2, 2 * (n - 1) / n * nbytes, reduced)
     phases = (1 + 1 / partitions if partitions else 1) if overlap_push_pull else 2
     return Cost(2, phases * max(nbytes, n * nbytes / servers), reduced)
-
-
-_FIXED: dict[str, Callable[[int, float], Cost]] = {
-    "ring": ring,
-    "recursive_doubling": recursive_doubling,
-    "halving_doubling": halving_doubling,
-    "binomial_tree": binomial_tree,
-}
-ALGORITHMS = (*_FIXED, "pipelined_tree", "double_binary_tree")
-
-
-def allreduce(algorithm: str, n: int, nbytes: float, link: Link | None = None, chunks: int | None = None) -> Cost:
-    """Cost of all-reduce ``algorithm``; pipelined_tree needs ``chunks``, double_binary_tree ``link``."""
-    if algorithm in _FIXED:
-        return _FIXED[algorithm](n, nbytes)
-    if algorithm == "pipelined_tree":
-        if chunks is None:
-            raise ValueError("chunks is required for algorithm 'pipelined_tree'")
-        return pipelined_tree(n, nbytes, chunks)
-    if algorithm == "double_binary_tree":
-        if link is None:
-            raise ValueError("link is required for algorithm 'double_binary_tree'")
-        return double_binary_tree(n, nbytes, link)
-    raise ValueError(f"algorithm: unknown {algorithm!r}; allowed: {', '.join(ALGORITHMS)}")
 
 
 def algbw(nbytes: float, time_s: float) -> float:
