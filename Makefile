@@ -1,7 +1,7 @@
 # Two commands on a fresh machine:
 #   make demo   set up .venv, run the comparison sweep (sync x world_size), print the table, draw
 #               its scaling figure and report under results/compare/<time>/analysis
-#   make test   set up .venv, lint, run the test suite (what CI runs)
+#   make test   set up .venv, lint, build the manual (mkdocs --strict), run the test suite (what CI runs)
 # make test-fast: the in-process unit tier and one end-to-end run (a few minutes).
 # Figures: make figure PRESET=stragglers [ARGS="seed=0"]; make figures runs every preset;
 # measured beside simulated: make figure PRESET=paper_models ANALYSIS_ARGS="--calibration docs/sim/calibration.json";
@@ -17,7 +17,7 @@ PRESETS := compare scaling overlap buckets accumulation stragglers diminishing p
 SIM_PRESETS := scaling_sim horovod topology_sim
 RUN_DIR = results/$(PRESET)/$(shell date +%Y-%m-%d_%H-%M-%S)
 
-.PHONY: setup demo figure figures sim-figure lint test test-fast bench overhead clean
+.PHONY: setup demo figure figures sim-figure lint docs test test-fast bench overhead clean
 
 setup: $(STAMP)
 
@@ -53,12 +53,17 @@ SMOKE := tests/test_results_contract.py
 lint: $(STAMP)
 	$(BIN)/ruff check
 
+# The manual (docs/, mkdocs.yml) into a throwaway directory: --strict fails on a broken link, anchor or
+# nav entry. mkdocs serve previews it.
+docs: $(STAMP)
+	out=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d $$out; rc=$$?; rm -rf $$out; exit $$rc
+
 # Tests spend much of their time starting processes and waiting on sockets, so two run at once
 # even on two cores (a test module stays on one worker: its shared runs are made once); tests
 # that assert on measured time run after them, alone.
 TEST_WORKERS ?= 2
 
-test: lint
+test: lint docs
 	$(TEST_ENV) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" --durations=25
 	$(TEST_ENV) $(BIN)/python -m pytest -q -m serial --durations=10
 
@@ -73,4 +78,4 @@ overhead: $(STAMP)
 	$(BIN)/python -m testbed.bench.overhead --steps 1000 --repeats 6
 
 clean:
-	rm -rf $(VENV) outputs multirun bench-results
+	rm -rf $(VENV) outputs multirun bench-results site
