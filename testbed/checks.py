@@ -7,6 +7,8 @@ A check raises ``ConfigError`` with one line that names the field, the allowed v
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,3 +39,19 @@ def resolved_backend(cfg: Any) -> str:
     if backend == "auto":
         return "nccl" if resolved_device(cfg) == "cuda" else "gloo"
     return backend
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of a config group (``imbalance=straggler``, ``fault=kill_rank``, ...): its schema
+    and ``check(cfg)``, the checks of its own fields given the whole config. Checks that span groups
+    stay in testbed.config."""
+
+    name: str
+    schema: type
+    check: Callable[[Any], None] = lambda cfg: None
+
+
+def options(*specs: Option) -> dict[str, Option]:
+    """A group's options by name, in the order given."""
+    return {spec.name: spec for spec in specs}

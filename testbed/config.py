@@ -19,14 +19,17 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from testbed.batch import per_rank_batch
-from testbed.checks import ConfigError, enum_value, require, resolved_backend, resolved_device
+from testbed.checks import ConfigError, enum_value, require, resolved_device
 from testbed.compress import CODECS
 from testbed.data.kinds import DATA_KINDS, data_kind, heldout_of
 from testbed.data.loader import WORKER_STARTS
 from testbed.eval.config import EvalConfig, TargetConfig, check_eval
 from testbed.eval.metrics import metrics_of
 from testbed.eval.schedule import check_schedule
+from testbed.faults import FAULTS
+from testbed.imbalance import IMBALANCES
+from testbed.netem.links import MAX_ENDPOINTS
+from testbed.netem.options import NETWORKS
 from testbed.optim import SCHEMAS as OPTIM_SCHEMAS
 from testbed.paths import config_dir
 from testbed.sync import SYNCHRONIZERS
@@ -168,114 +171,6 @@ class DataConfig:
 BUFFER_POLICIES = ("broadcast", "average", "local")
 
 
-# --- imbalance group (testbed.imbalance) -----------------------------------------------------
-# Every kind adds time to chosen ranks' steps (recorded as t_injected, apart from real compute),
-# except uneven, which changes how many samples each rank computes.
-
-JITTER_DISTRIBUTIONS = ("normal", "lognormal", "exponential")
-
-
-@dataclass
-class NoImbalanceConfig:
-    name: str = "none"
-
-
-@dataclass
-class StragglerConfig:
-    name: str = "straggler"
-    ranks: list[int] = field(default_factory=lambda: [0])  # the slow ranks
-    slowdown: float = 1.0  # extra time as a fraction of the rank's measured compute time (1.0 = +100 %)
-    delay_ms: float = 0.0  # and/or a fixed extra time per step
-
-
-@dataclass
-class JitterConfig:
-    name: str = "jitter"
-    distribution: str = "lognormal"  # normal | lognormal | exponential
-    mean_ms: float = 5.0  # of the extra time per rank and step
-    std_ms: float | None = 5.0  # normal, lognormal; exponential has std = mean (leave null)
-    ranks: list[int] | None = None  # null: every rank
-
-
-@dataclass
-class HeterogeneousConfig:
-    name: str = "heterogeneous"
-    # Relative speed per rank (rank r computes at speeds[r] of full speed: extra time is
-    # (1/speed - 1) of its compute); ranks beyond the list run at 1.0, entries beyond world_size
-    # are unused (one list serves a sweep over world sizes).
-    speeds: list[float] = field(default_factory=lambda: [1.0, 0.5])
-
-
-@dataclass
-class UnevenConfig:
-    name: str = "uneven"
-    # Shard sizes: rank r holds a share proportional to skew ** (r / (n - 1)), so the largest shard
-    # is skew times the smallest; or explicit relative shares (one per rank) when given.
-    skew: float = 2.0
-    shares: list[float] = field(default_factory=list)
-
-
-# --- fault group (testbed.faults) ---------------------------------------------------------------
-# One failure, injected at the start of a step (`step`, or drawn from the seed in [1, steps) when
-# null), to check that the run fails cleanly: recorded, named, nothing left behind.
-
-
-@dataclass
-class NoFaultConfig:
-    name: str = "none"
-
-
-@dataclass
-class KillRankConfig:
-    name: str = "kill_rank"
-    rank: int = 1
-    step: int | None = None  # SIGKILL: no chance to flush or say goodbye
-
-
-@dataclass
-class KillPsConfig:
-    name: str = "kill_ps"
-    shard: int = 0
-    step: int | None = None  # rank 0 SIGKILLs the shard's server process
-
-
-@dataclass
-class LinkDownConfig:
-    name: str = "link_down"
-    rank: int = 1
-    step: int | None = None
-    duration_s: float = 60.0  # the rank's emulated link is down this long, then up again
-
-
-@dataclass
-class NanLossConfig:
-    name: str = "nan_loss"  # not "nan": the override parser reads fault=nan as a float
-    rank: int = 0
-    step: int | None = None  # the rank's loss becomes NaN, and so do the gradients it shares
-
-
-# --- network group (testbed.netem) -------------------------------------------------------------
-
-
-@dataclass
-class LoopbackNetworkConfig:
-    name: str = "loopback"
-
-
-@dataclass
-class EmulatedNetworkConfig:
-    name: str = "emulated"
-    bandwidth: str = "1gbit"  # per link and direction, in tc's units: bit, kbit, mbit, gbit
-    # Added per message by the testbed's own senders (ring, tree, parameter server), not by the
-    # backend's collectives: the kernel has no netem (testbed.latency).
-    latency_ms: float = 0.0
-    # Two levels: the ranks spread evenly over this many machines (contiguous ranks share one),
-    # each machine's traffic to the others through one link at `bandwidth`; 0: flat, a link each.
-    nodes: int = 0
-    intra_bandwidth: str | None = None  # between the endpoints of one machine; null: unshaped
-    servers: str = "separate"  # parameter-server shards on machines of their own, or `colocated` on the nodes
-
-
 # --- launcher group ---------------------------------------------------------------------------
 
 
@@ -401,6 +296,10 @@ class Config:
     tune: TuneConfig = field(default_factory=TuneConfig)
 
 
+# Groups whose options declare their schema and checks in their own modules (testbed.checks.Option).
+OPTION_GROUPS = {"imbalance": IMBALANCES, "network": NETWORKS, "fault": FAULTS}
+
+
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "sync": {name: spec.schema for name, spec in SYNCHRONIZERS.items()},
     "compress": {name: spec.schema for name, spec in CODECS.items()},
@@ -420,21 +319,7 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "data": {name: DataConfig for name in DATA_KINDS},
     "optim": OPTIM_SCHEMAS,
     "launcher": {"local": LocalLauncherConfig},
-    "imbalance": {
-        "none": NoImbalanceConfig,
-        "straggler": StragglerConfig,
-        "jitter": JitterConfig,
-        "heterogeneous": HeterogeneousConfig,
-        "uneven": UnevenConfig,
-    },
-    "network": {"loopback": LoopbackNetworkConfig, "emulated": EmulatedNetworkConfig},
-    "fault": {
-        "none": NoFaultConfig,
-        "kill_rank": KillRankConfig,
-        "kill_ps": KillPsConfig,
-        "link_down": LinkDownConfig,
-        "nan_loss": NanLossConfig,
-    },
+    **{group: {name: option.schema for name, option in opts.items()} for group, opts in OPTION_GROUPS.items()},
 }
 
 
@@ -513,9 +398,9 @@ def validate(cfg: DictConfig, local_world_size: int | None = None, simulated: bo
     SYNCHRONIZERS[cfg.sync.name].check(cfg)
     _validate_compress(cfg)
 
-    _validate_imbalance(cfg)
-    _validate_network(cfg)
-    _validate_fault(cfg)
+    for group, opts in OPTION_GROUPS.items():
+        opts[cfg[group].name].check(cfg)
+    _validate_across(cfg)
     _validate_checkpoint(cfg)
 
     device = enum_value(cfg.device)
@@ -601,96 +486,19 @@ def _validate_compress(cfg: DictConfig) -> None:
             "residuals, step counts), so a resumed run would differ from an uninterrupted one; drop one of them")
 
 
-def _validate_imbalance(cfg: DictConfig) -> None:
-    imb, n = cfg.imbalance, int(cfg.world_size)
-    ranks = imb.get("ranks")
-    if ranks is not None:
-        bad = [r for r in ranks if not 0 <= r < n]
-        require(not bad, f"imbalance.ranks={list(ranks)}: ranks {bad} do not exist with world_size={n}; use ranks in [0, {n})")
-    if imb.name == "straggler":
-        require(imb.slowdown >= 0, f"imbalance.slowdown={imb.slowdown}: must be >= 0 (1.0 = +100 % of compute time)")
-        require(imb.delay_ms >= 0, f"imbalance.delay_ms={imb.delay_ms}: must be >= 0")
-    if imb.name == "jitter":
-        dist = imb.distribution
-        require(dist in JITTER_DISTRIBUTIONS, f"imbalance.distribution={dist}: allowed: {'|'.join(JITTER_DISTRIBUTIONS)}")
-        require(imb.mean_ms > 0, f"imbalance.mean_ms={imb.mean_ms}: must be > 0")
-        if dist == "exponential":
-            require(
-                imb.std_ms is None or imb.std_ms == imb.mean_ms,
-                f"imbalance.std_ms={imb.std_ms}: an exponential delay has std = mean; set imbalance.std_ms=null",
-            )
-        else:
-            require(imb.std_ms is not None and imb.std_ms >= 0, f"imbalance.std_ms={imb.std_ms}: {dist} needs a std >= 0")
-    if imb.name == "heterogeneous":
-        speeds = list(imb.speeds)
-        require(all(0 < s <= 1 for s in speeds), f"imbalance.speeds={speeds}: each speed must be in (0, 1] (1 = full speed)")
-    if imb.name == "uneven":
-        require(imb.skew >= 1, f"imbalance.skew={imb.skew}: must be >= 1 (largest shard / smallest shard)")
-        shares = list(imb.shares)
-        require(
-            not shares or (len(shares) == n and all(s > 0 for s in shares)),
-            f"imbalance.shares={shares}: give one positive share per rank (world_size={n}) or none",
-        )
-        total = per_rank_batch(cfg) * n
-        require(
-            total >= n,
-            f"imbalance=uneven: a global batch of {total} cannot give each of {n} ranks a sample; raise data.batch_size",
-        )
-
-
-def _validate_network(cfg: DictConfig) -> None:
-    if cfg.network.name != "emulated":
-        return
-    from testbed.netem.links import MAX_ENDPOINTS, PLACEMENTS, NetworkUnavailable, check_available, parse_rate
-
-    try:
-        parse_rate(cfg.network.bandwidth)
-    except ValueError as exc:
-        raise ConfigError(f"network.bandwidth={cfg.network.bandwidth}: {exc}") from None
-    require(cfg.network.latency_ms >= 0, f"network.latency_ms={cfg.network.latency_ms}: must be >= 0")
-    nodes, n = int(cfg.network.nodes), int(cfg.world_size)
-    require(nodes >= 0 and (nodes == 0 or n % nodes == 0),
-            f"network.nodes={nodes}: the ranks spread evenly over the machines: a divisor of world_size={n} (0: flat)")
-    if cfg.network.intra_bandwidth is not None:
-        try:
-            parse_rate(cfg.network.intra_bandwidth)
-        except ValueError as exc:
-            raise ConfigError(f"network.intra_bandwidth={cfg.network.intra_bandwidth}: {exc}") from None
-    require(cfg.network.servers in PLACEMENTS,
-            f"network.servers={cfg.network.servers}: one of {'|'.join(PLACEMENTS)} (shards on machines of their own, or on the nodes)")
-    endpoints = n + SYNCHRONIZERS[cfg.sync.name].local_servers(cfg)
-    require(
-        endpoints <= MAX_ENDPOINTS,
-        f"network=emulated: {endpoints} ranks and servers exceed the {MAX_ENDPOINTS} addresses of its /24; use fewer",
-    )
-    require(
-        resolved_backend(cfg) == "gloo",
-        "network=emulated shapes TCP links between hosts: use backend=gloo (device=cpu)",
-    )
-    try:
-        check_available()
-    except NetworkUnavailable as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def _validate_fault(cfg: DictConfig) -> None:
-    fault = cfg.fault
-    if fault.name == "none":
-        return
-    steps = int(cfg.steps)
-    if fault.step is not None:
-        require(0 <= fault.step < steps, f"fault.step={fault.step}: must be in [0, steps={steps}) (null: drawn from the seed)")
-    else:
-        require(steps >= 2, f"fault={fault.name} with fault.step=null draws a step in [1, steps): needs steps >= 2")
-    if fault.name in ("kill_rank", "link_down", "nan_loss"):
-        require(0 <= fault.rank < cfg.world_size, f"fault.rank={fault.rank}: must be in [0, world_size={cfg.world_size})")
+def _validate_across(cfg: DictConfig) -> None:
+    """The fault and network checks that depend on the synchronizer or on each other."""
+    spec, fault = SYNCHRONIZERS[cfg.sync.name], cfg.fault
+    if cfg.network.name == "emulated":
+        endpoints = int(cfg.world_size) + spec.local_servers(cfg)
+        require(endpoints <= MAX_ENDPOINTS,
+                f"network=emulated: {endpoints} ranks and servers exceed the {MAX_ENDPOINTS} addresses of its /24; use fewer")
     if fault.name == "kill_ps":
-        servers = SYNCHRONIZERS[cfg.sync.name].local_servers(cfg)
+        servers = spec.local_servers(cfg)
         require(servers > 0, "fault=kill_ps kills a parameter server the launcher started: use sync=ps (without sync.addresses)")
         require(0 <= fault.shard < servers, f"fault.shard={fault.shard}: must be in [0, sync.servers={servers})")
     if fault.name == "link_down":
         require(cfg.network.name == "emulated", "fault=link_down takes an emulated link down: use network=emulated")
-        require(fault.duration_s > 0, f"fault.duration_s={fault.duration_s}: must be > 0")
 
 
 def _validate_checkpoint(cfg: DictConfig) -> None:

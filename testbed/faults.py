@@ -14,14 +14,81 @@ import random
 import signal
 import subprocess
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from testbed.checks import Option, options, require
 from testbed.results.step_log import flush_open_logs
 
 # The launcher passes the parameter servers' pids to the ranks for kill_ps (a JSON list).
 PS_PIDS_ENV = "TESTBED_PS_PIDS"
+
+
+@dataclass
+class NoFaultConfig:
+    name: str = "none"
+
+
+@dataclass
+class KillRankConfig:
+    name: str = "kill_rank"
+    rank: int = 1
+    step: int | None = None  # SIGKILL: no chance to flush or say goodbye
+
+
+@dataclass
+class KillPsConfig:
+    name: str = "kill_ps"
+    shard: int = 0
+    step: int | None = None  # rank 0 SIGKILLs the shard's server process
+
+
+@dataclass
+class LinkDownConfig:
+    name: str = "link_down"
+    rank: int = 1
+    step: int | None = None
+    duration_s: float = 60.0  # the rank's emulated link is down this long, then up again
+
+
+@dataclass
+class NanLossConfig:
+    name: str = "nan_loss"  # not "nan": the override parser reads fault=nan as a float
+    rank: int = 0
+    step: int | None = None  # the rank's loss becomes NaN, and so do the gradients it shares
+
+
+def _check_step(cfg: Any) -> None:
+    fault, steps = cfg.fault, int(cfg.steps)
+    if fault.step is not None:
+        require(0 <= fault.step < steps, f"fault.step={fault.step}: must be in [0, steps={steps}) (null: drawn from the seed)")
+    else:
+        require(steps >= 2, f"fault={fault.name} with fault.step=null draws a step in [1, steps): needs steps >= 2")
+
+
+def _check_rank(cfg: Any) -> None:
+    _check_step(cfg)
+    require(0 <= cfg.fault.rank < cfg.world_size, f"fault.rank={cfg.fault.rank}: must be in [0, world_size={cfg.world_size})")
+
+
+def _check_link_down(cfg: Any) -> None:
+    _check_rank(cfg)
+    require(cfg.fault.duration_s > 0, f"fault.duration_s={cfg.fault.duration_s}: must be > 0")
+
+
+# One failure, injected at the start of a step (`step`, or drawn from the seed in [1, steps) when
+# null), to check that the run fails cleanly: recorded, named, nothing left behind. Which shards
+# kill_ps may name, and link_down's emulated network, are checked with the other groups
+# (testbed.config).
+FAULTS = options(
+    Option("none", NoFaultConfig),
+    Option("kill_rank", KillRankConfig, _check_rank),
+    Option("kill_ps", KillPsConfig, _check_step),
+    Option("link_down", LinkDownConfig, _check_link_down),
+    Option("nan_loss", NanLossConfig, _check_rank),
+)
 
 
 class NonFiniteLoss(FloatingPointError):

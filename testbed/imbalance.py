@@ -19,9 +19,114 @@ from __future__ import annotations
 import math
 import random
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from testbed.batch import per_rank_batch
+from testbed.checks import Option, options, require
+
+# Every kind adds time to chosen ranks' steps (recorded as t_injected, apart from real compute),
+# except uneven, which changes how many samples each rank computes.
+
+JITTER_DISTRIBUTIONS = ("normal", "lognormal", "exponential")
+
+
+@dataclass
+class NoImbalanceConfig:
+    name: str = "none"
+
+
+@dataclass
+class StragglerConfig:
+    name: str = "straggler"
+    ranks: list[int] = field(default_factory=lambda: [0])  # the slow ranks
+    slowdown: float = 1.0  # extra time as a fraction of the rank's measured compute time (1.0 = +100 %)
+    delay_ms: float = 0.0  # and/or a fixed extra time per step
+
+
+@dataclass
+class JitterConfig:
+    name: str = "jitter"
+    distribution: str = "lognormal"  # normal | lognormal | exponential
+    mean_ms: float = 5.0  # of the extra time per rank and step
+    std_ms: float | None = 5.0  # normal, lognormal; exponential has std = mean (leave null)
+    ranks: list[int] | None = None  # null: every rank
+
+
+@dataclass
+class HeterogeneousConfig:
+    name: str = "heterogeneous"
+    # Relative speed per rank (rank r computes at speeds[r] of full speed: extra time is
+    # (1/speed - 1) of its compute); ranks beyond the list run at 1.0, entries beyond world_size
+    # are unused (one list serves a sweep over world sizes).
+    speeds: list[float] = field(default_factory=lambda: [1.0, 0.5])
+
+
+@dataclass
+class UnevenConfig:
+    name: str = "uneven"
+    # Shard sizes: rank r holds a share proportional to skew ** (r / (n - 1)), so the largest shard
+    # is skew times the smallest; or explicit relative shares (one per rank) when given.
+    skew: float = 2.0
+    shares: list[float] = field(default_factory=list)
+
+
+def _check_ranks(cfg: Any) -> None:
+    ranks, n = cfg.imbalance.get("ranks"), int(cfg.world_size)
+    if ranks is not None:
+        bad = [r for r in ranks if not 0 <= r < n]
+        require(not bad, f"imbalance.ranks={list(ranks)}: ranks {bad} do not exist with world_size={n}; use ranks in [0, {n})")
+
+
+def _check_straggler(cfg: Any) -> None:
+    imb = cfg.imbalance
+    _check_ranks(cfg)
+    require(imb.slowdown >= 0, f"imbalance.slowdown={imb.slowdown}: must be >= 0 (1.0 = +100 % of compute time)")
+    require(imb.delay_ms >= 0, f"imbalance.delay_ms={imb.delay_ms}: must be >= 0")
+
+
+def _check_jitter(cfg: Any) -> None:
+    imb = cfg.imbalance
+    _check_ranks(cfg)
+    dist = imb.distribution
+    require(dist in JITTER_DISTRIBUTIONS, f"imbalance.distribution={dist}: allowed: {'|'.join(JITTER_DISTRIBUTIONS)}")
+    require(imb.mean_ms > 0, f"imbalance.mean_ms={imb.mean_ms}: must be > 0")
+    if dist == "exponential":
+        require(
+            imb.std_ms is None or imb.std_ms == imb.mean_ms,
+            f"imbalance.std_ms={imb.std_ms}: an exponential delay has std = mean; set imbalance.std_ms=null",
+        )
+    else:
+        require(imb.std_ms is not None and imb.std_ms >= 0, f"imbalance.std_ms={imb.std_ms}: {dist} needs a std >= 0")
+
+
+def _check_heterogeneous(cfg: Any) -> None:
+    speeds = list(cfg.imbalance.speeds)
+    require(all(0 < s <= 1 for s in speeds), f"imbalance.speeds={speeds}: each speed must be in (0, 1] (1 = full speed)")
+
+
+def _check_uneven(cfg: Any) -> None:
+    imb, n = cfg.imbalance, int(cfg.world_size)
+    require(imb.skew >= 1, f"imbalance.skew={imb.skew}: must be >= 1 (largest shard / smallest shard)")
+    shares = list(imb.shares)
+    require(
+        not shares or (len(shares) == n and all(s > 0 for s in shares)),
+        f"imbalance.shares={shares}: give one positive share per rank (world_size={n}) or none",
+    )
+    total = per_rank_batch(cfg) * n
+    require(
+        total >= n,
+        f"imbalance=uneven: a global batch of {total} cannot give each of {n} ranks a sample; raise data.batch_size",
+    )
+
+
+IMBALANCES = options(
+    Option("none", NoImbalanceConfig),
+    Option("straggler", StragglerConfig, _check_straggler),
+    Option("jitter", JitterConfig, _check_jitter),
+    Option("heterogeneous", HeterogeneousConfig, _check_heterogeneous),
+    Option("uneven", UnevenConfig, _check_uneven),
+)
 
 
 class Injector:

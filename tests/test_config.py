@@ -16,6 +16,7 @@ from PIL import Image
 
 from testbed import config
 from testbed.batch import global_batch, per_rank_batch
+from testbed.checks import resolved_backend, resolved_device
 from testbed.config import ConfigError, validate
 from testbed.paths import config_dir
 from testbed.preflight import check_command_line
@@ -136,7 +137,7 @@ def test_derived_batch_sizes() -> None:
 
 def test_cpu_defaults_resolve_to_gloo() -> None:
     cfg = composed(["device=cpu"])
-    assert config.resolved_device(cfg) == "cpu" and config.resolved_backend(cfg) == "gloo"
+    assert resolved_device(cfg) == "cpu" and resolved_backend(cfg) == "gloo"
 
 
 PRESETS = sorted(p.stem for p in (Path(config_dir()) / "experiment").glob("*.yaml"))
