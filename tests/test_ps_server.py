@@ -19,7 +19,8 @@ from testbed.optim import SgdConfig
 from testbed.ps import parameter_server_pb2 as pb
 from testbed.ps import parameter_server_pb2_grpc as pb_grpc
 from testbed.ps.client import PsClient, PsError
-from testbed.ps.server import Servicer, Shard, add_servicer
+from testbed.ps.service import Servicer, add_servicer
+from testbed.ps.shard import Shard
 from testbed.ps.wire import CHANNEL_OPTIONS, auth_metadata, chunks
 
 NUMEL = 1000
@@ -224,9 +225,9 @@ class SlowShard(Shard):
 
     delay_s = 0.0
 
-    def _hold(self, values: torch.Tensor) -> None:
+    def hold(self, values: torch.Tensor) -> None:
         time.sleep(self.delay_s)
-        super()._hold(values)
+        super().hold(values)
 
 
 def test_a_stream_deadline_bounds_the_receiving_not_the_applying() -> None:
@@ -258,7 +259,7 @@ def test_a_shard_imports_nothing_on_its_first_init_params() -> None:
 import sys
 import torch
 from testbed.optim import SgdConfig
-from testbed.ps.server import Shard
+from testbed.ps.shard import Shard
 from testbed.ps.wire import chunks, decode_chunk
 shard = Shard(0, 2, "sync", 0, SgdConfig(lr=0.1, momentum=0.9), {CHUNK_BYTES})
 shard.warm_up()
