@@ -10,7 +10,7 @@ previous complete checkpoint.
 ``resume=<job dir>`` starts a new job from that directory's latest checkpoint: the step records
 before it are copied into the new job's metrics, so the new job's results cover the whole run. For
 synchronous modes the resumed run ends bitwise equal to an uninterrupted one (tested). Parameter
-servers write their shards' state into the same step directories (ps<shard>.pt, testbed.ps.server)
+servers write their shards' state into the same step directories (ps<shard>.pt, testbed.ps.shard_checkpoint)
 and the launcher restarts them from there; in async and SSP modes the barrier below is the point
 the shards' snapshot and the workers' checkpoints agree on.
 """

@@ -8,18 +8,22 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
 from conftest import CHUNK_BYTES, LR, client, servers
+from omegaconf import OmegaConf
 
+from testbed.compress.powersgd import PowerSgdConfig
 from testbed.optim import SgdConfig
 from testbed.ps import parameter_server_pb2 as pb
 from testbed.ps import parameter_server_pb2_grpc as pb_grpc
 from testbed.ps.client import PsClient, PsError
-from testbed.ps.server import Servicer, Shard, add_servicer
+from testbed.ps.service import Servicer, add_servicer
+from testbed.ps.shard import Shard
 from testbed.ps.wire import CHANNEL_OPTIONS, auth_metadata, chunks
 
 NUMEL = 1000
@@ -224,9 +228,9 @@ class SlowShard(Shard):
 
     delay_s = 0.0
 
-    def _hold(self, values: torch.Tensor) -> None:
+    def hold(self, values: torch.Tensor) -> None:
         time.sleep(self.delay_s)
-        super()._hold(values)
+        super().hold(values)
 
 
 def test_a_stream_deadline_bounds_the_receiving_not_the_applying() -> None:
@@ -250,6 +254,44 @@ def test_a_stream_deadline_bounds_the_receiving_not_the_applying() -> None:
         server.stop(grace=None)
 
 
+@contextmanager
+def serving(shard: Shard, timeout_s: float) -> Iterator[PsClient]:
+    """``shard`` behind a real gRPC server in this process, and a client of it (worker 0)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=CHANNEL_OPTIONS)
+    add_servicer(Servicer(shard, stop=lambda: None), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    worker = PsClient([f"127.0.0.1:{port}"], token="", worker=0, timeout_s=timeout_s, chunk_bytes=CHUNK_BYTES)
+    try:
+        yield worker
+    finally:
+        worker.close()
+        server.stop(grace=None)
+
+
+def test_parameters_a_shard_cannot_take_are_refused_at_once_and_leave_it_uninitialised() -> None:
+    """A refusal that shows only once the parameters are in (a codec with no payload to decode, a
+    dtype no optimizer steps) reaches the client at once as a status naming the cause, not as its
+    deadline, and leaves the shard uninitialised: a corrected request initialises it."""
+    timeout_s = 10.0
+    initial = torch.arange(NUMEL, dtype=torch.float32)
+    shard = Shard(0, 1, "sync", 0, SgdConfig(lr=LR), CHUNK_BYTES, compress=OmegaConf.structured(PowerSgdConfig))
+    with serving(shard, timeout_s) as worker:
+        for _ in range(2):  # the same answer again: not "already initialised"
+            began = time.monotonic()
+            with pytest.raises(PsError, match="InitParams: FAILED_PRECONDITION: shard 0 runs --compress powersgd: a "
+                               "parameter server decodes payloads and this codec has none; start the servers with one of"):
+                worker.init_params([initial.clone()])
+            assert time.monotonic() - began < timeout_s / 2
+        assert shard.params is None and shard.stats_reply().rejected == 2
+    shard = Shard(0, 1, "sync", 0, SgdConfig(lr=LR), CHUNK_BYTES)
+    with serving(shard, timeout_s) as worker:
+        with pytest.raises(PsError, match="INVALID_ARGUMENT: InitParams: dtype UINT8; parameters are one of FLOAT32"):
+            worker.init_params([initial.to(torch.uint8)])
+        (info,) = worker.init_params([initial.clone()])
+        assert info.numel == NUMEL and shard.params is not None and torch.equal(shard.params.detach(), initial)
+
+
 def test_a_shard_imports_nothing_on_its_first_init_params() -> None:
     """Whatever the first InitParams needs is imported before the server serves (Shard.warm_up):
     torch's first optimizer imports torch._dynamo, 2 s idle and over 10 s under load, which once
@@ -257,8 +299,9 @@ def test_a_shard_imports_nothing_on_its_first_init_params() -> None:
     script = f"""
 import sys
 import torch
+from testbed.compress.powersgd import PowerSgdConfig
 from testbed.optim import SgdConfig
-from testbed.ps.server import Shard
+from testbed.ps.shard import Shard
 from testbed.ps.wire import chunks, decode_chunk
 shard = Shard(0, 2, "sync", 0, SgdConfig(lr=0.1, momentum=0.9), {CHUNK_BYTES})
 shard.warm_up()

@@ -16,8 +16,9 @@ import torch
 
 from testbed.optim import SgdConfig
 from testbed.ps import parameter_server_pb2 as pb
-from testbed.ps import server
-from testbed.ps.server import Refused, Shard
+from testbed.ps.shard import Shard
+from testbed.ps.shard_checkpoint import restore
+from testbed.ps.validation import Refused
 from testbed.ps.wire import Chunk, copy_in, decode_chunk
 
 NUMEL, CHUNK = 8, 3  # elements per shard and per chunk: streams of 3 + 3 + 2
@@ -294,7 +295,7 @@ def test_async_and_ssp_checkpoint_the_state_at_the_step_every_worker_pushed_and_
                    list(shard.clocks), dict(shard.histogram), dict(shard.stats))
     push(shard, 0, 16.0, 2)  # later pushes leave the snapshot as it was
     restored = Shard(0, 2, mode, 1, SgdConfig(lr=LR, momentum=0.9), chunk_bytes=4 * CHUNK)
-    restored.restore(saved)
+    restore(restored, saved)
     params, optimizers, version, clocks, histogram, stats = at_snapshot
     assert torch.equal(restored.params.detach(), params) and not torch.equal(params, shard.params.detach())
     for ours, theirs in zip((o.state_dict() for o in restored.optimizers), optimizers, strict=True):
@@ -305,7 +306,7 @@ def test_async_and_ssp_checkpoint_the_state_at_the_step_every_worker_pushed_and_
     assert push(restored, 0, 16.0, 2) == pb.PushReply(version=5, staleness=2)
     assert torch.equal(restored.params.detach(), shard.params.detach())
     with pytest.raises(SystemExit, match="mode sync"):
-        Shard(0, 2, "sync", 1, SgdConfig(lr=LR), chunk_bytes=4 * CHUNK).restore(saved)
+        restore(Shard(0, 2, "sync", 1, SgdConfig(lr=LR), chunk_bytes=4 * CHUNK), saved)
 
 
 def test_a_push_while_the_same_worker_is_pushing_is_refused() -> None:
@@ -329,7 +330,7 @@ def test_a_push_while_the_same_worker_is_pushing_is_refused() -> None:
 
 
 def test_sync_update_runs_block_by_block_and_a_failed_one_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(server, "UPDATE_BYTES", 4 * CHUNK)  # a block per chunk: three of them
+    monkeypatch.setattr("testbed.ps.shard.UPDATE_BYTES", 4 * CHUNK)  # a block per chunk: three of them
     shard = make_shard("sync")
     assert [list(block) for block in shard.blocks] == [[0], [1], [2]]
     push(shard, 0, 2.0, 0)

@@ -5,8 +5,9 @@ the bytes gRPC sends (hand: ``encoded_chunks``, one copy; pb2: ``TensorChunk(dat
 then ``SerializeToString``). decode: those bytes parsed and copied into a tensor, as Push does into
 its staging row and a pull into the worker's parameters (hand: ``decode_chunk``, the payload a view
 of the message; pb2: ``TensorChunk.FromString``). push+pull: one round through a shard process
-(testbed.ps.server's Shard and Servicer; sync, one worker, 1 MiB chunks) speaking the codec on
-both ends: add_servicer's ``decode``/``encode`` and, for pb2, Shard.pull_messages overridden.
+(testbed.ps.shard's Shard, testbed.ps.service's Servicer; sync, one worker, 1 MiB chunks) speaking
+the codec on both ends: add_servicer's ``decode``/``encode`` and, for pb2, Shard.pull_messages
+overridden.
 Medians over --reps, the codecs interleaved; pb2/hand > 1: the hand codec is faster.
 
   python -m testbed.bench.wire [--sizes 1M,16M,64M] [--reps 15] [--no-round-trip]
@@ -34,7 +35,8 @@ from testbed.bench.table import human, parse_bytes
 from testbed.optim import SgdConfig
 from testbed.ps import parameter_server_pb2 as pb
 from testbed.ps.launch import wait_healthy
-from testbed.ps.server import Servicer, Shard, add_servicer
+from testbed.ps.service import Servicer, add_servicer
+from testbed.ps.shard import Shard
 from testbed.ps.wire import (
     CHANNEL_OPTIONS,
     SERVICE,

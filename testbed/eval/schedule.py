@@ -3,7 +3,7 @@
 One ``LrSchedule`` gives the learning rate of every step. The trainer sets it on the optimizer
 before each step's synchronization (so synchronizers that step their own optimizer, local SGD,
 follow it), and the parameter server's shards, which run the optimizer for their workers, are
-handed the same schedule and step with it at the same step (testbed.ps.server).
+handed the same schedule and step with it at the same step (testbed.ps.shard).
 
 - Scaling (Goyal et al. 2017): the peak rate is ``optim.lr`` times ``k = global batch /
   optim.base_batch`` (linear) or ``sqrt(k)``; ``base_batch`` null is ``data.batch_size``.

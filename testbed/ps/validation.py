@@ -1,0 +1,69 @@
+"""A shard's checks of requests: every message is validated before it touches state, and a bad one
+is refused with a status code (testbed.ps.service answers with it) and a message naming the cause."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import grpc
+import torch
+
+from testbed.ps import parameter_server_pb2 as pb
+from testbed.ps.wire import FROM_WIRE, Chunk
+
+
+class Refused(Exception):
+    """A request that must not change any state; carries the status code to answer with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def check_worker(worker: int, workers: int) -> None:
+    if worker >= workers:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"worker {worker} out of range [0, {workers})")
+
+
+def check_chunk(chunk: Chunk, shard: int, expected: int, numel: int, dtype: torch.dtype, worker_bound: int) -> None:
+    """``chunk`` of a stream to ``shard``: the one at element ``expected`` of ``numel`` of ``dtype``,
+    from a worker below ``worker_bound``."""
+    problem = None
+    if chunk.malformed:
+        problem = chunk.malformed
+    elif chunk.shard != shard:
+        problem = f"shard {chunk.shard}, this is shard {shard}"
+    elif chunk.worker >= worker_bound:
+        problem = f"worker {chunk.worker} out of range [0, {worker_bound})"
+    elif FROM_WIRE.get(chunk.dtype) != dtype:
+        problem = f"dtype {pb.DType.Name(chunk.dtype) if chunk.dtype in pb.DType.values() else chunk.dtype}, shard holds {dtype}"
+    elif chunk.offset != expected:
+        problem = f"offset {chunk.offset}, expected {expected} (chunks in order, no gaps)"
+    elif chunk.length == 0 or chunk.offset + chunk.length > numel:
+        problem = f"range [{chunk.offset}, {chunk.offset + chunk.length}) outside [0, {numel})"
+    elif len(chunk.data) != chunk.length * torch.empty(0, dtype=dtype).element_size():
+        problem = f"{len(chunk.data)} data bytes for {chunk.length} elements of {dtype}"
+    if problem:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"chunk refused: {problem}")
+
+
+def receive(rpc: str, shard: int, first: Chunk, rest: Iterator[Chunk], numel: int, dtype: torch.dtype,
+            worker_bound: int, same: tuple[str, ...], changed: str, take: Callable[[Chunk], None]) -> None:
+    """Validate the chunk stream ``first, *rest`` to ``shard`` and hand each chunk to ``take``: chunks
+    of ``dtype`` in order without gaps that cover ``numel`` elements exactly, from workers below
+    ``worker_bound``, each with the fields ``same`` of the first chunk (else refused as
+    "<rpc>: <changed>"). A refusal may come after ``take`` saw earlier chunks."""
+    expected = 0
+    for chunk in _chain(first, rest):
+        check_chunk(chunk, shard, expected, numel, dtype, worker_bound)
+        if any(getattr(chunk, field) != getattr(first, field) for field in same):
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{rpc}: {changed}")
+        take(chunk)
+        expected += chunk.length
+    if expected != numel:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{rpc}: got {expected} of {numel} elements")
+
+
+def _chain(first: Chunk, rest: Iterator[Chunk]) -> Iterator[Chunk]:
+    yield first
+    yield from rest
