@@ -103,7 +103,8 @@ class DdpSync(Synchronizer):
         # the reducer's reference the last, the group would be destroyed inside the reducer's
         # destructor, which joins Gloo's worker threads holding the GIL while one of them may need
         # it to free a finished collective's tensor: a rank hung at exit that way.
-        self.module = self.model
+        if isinstance(getattr(self, "module", None), DistributedDataParallel):  # none before setup made it
+            self.module = self.model
 
 
 def _check(cfg: Any) -> None:

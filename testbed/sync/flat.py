@@ -95,6 +95,10 @@ class FlatGradSynchronizer(Synchronizer):
     collective: the division of every bucket but the last hides behind backward.
     """
 
+    def __init__(self, cfg: Any, compress: Any = None, seed: int = 0) -> None:
+        super().__init__(cfg, compress, seed)
+        self._comm: ThreadPoolExecutor | None = None  # overlap's communication thread, from setup
+
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> None:
         super().setup(model, optimizer, world)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -153,6 +157,7 @@ class FlatGradSynchronizer(Synchronizer):
 
     def launch(self, index: int) -> InFlight:
         """Start bucket ``index``'s collective during backward, where the algorithm runs it."""
+        assert self._comm is not None  # launched only with overlap, which started it
         return self._comm.submit(self._timed, index)
 
     def _timed(self, index: int) -> Traffic:
@@ -227,5 +232,5 @@ class FlatGradSynchronizer(Synchronizer):
         return facts
 
     def close(self) -> None:
-        if self.overlap:
+        if self._comm is not None:
             self._comm.shutdown(wait=True)
