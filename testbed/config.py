@@ -28,6 +28,7 @@ from testbed.eval.config import EvalConfig, TargetConfig, check_eval
 from testbed.eval.metrics import metrics_of
 from testbed.eval.schedule import check_schedule
 from testbed.optim import SCHEMAS as OPTIM_SCHEMAS
+from testbed.optim import check_optimizer
 from testbed.paths import config_dir
 from testbed.sync import SYNCHRONIZERS
 
@@ -496,6 +497,7 @@ def validate(cfg: DictConfig, local_world_size: int | None = None, simulated: bo
     require(cfg.timeouts.collective_s > 0, "timeouts.collective_s: must be > 0 seconds")
     require(cfg.timeouts.rendezvous_s > 0, "timeouts.rendezvous_s: must be > 0 seconds")
     require(cfg.wandb.mode in WANDB_MODES, f"wandb.mode={cfg.wandb.mode}: allowed: {'|'.join(WANDB_MODES)}")
+    check_optimizer(cfg.optim)
 
     data = cfg.data
     require(data.batch_size >= 1, f"data.batch_size={data.batch_size}: must be >= 1")
