@@ -80,5 +80,9 @@ def test_a_failures_kind_and_facts_come_from_its_class(tmp_path: Path) -> None:
     assert error(4)["kind"] == "error" and error(5)["kind"] == "timeout"
     killed = failure_cause(blame(tmp_path, RankFailure(6, "killed by signal SIGKILL (pid 1)", killed=True)))
     assert killed == {"message": "killed by signal SIGKILL (pid 1)", "rank": 6, "kind": "killed"}
+    lost = "PsError: ps shard 0 at 127.0.0.1:7001: Push: UNAVAILABLE: Connection reset by peer (104)"
+    record_failure(tmp_path / "ps", 0, PsError(0, "127.0.0.1:7001", "Push: UNAVAILABLE: Connection reset by peer (104)"))
+    alone = failure_cause(blame(tmp_path / "ps", RankFailure(0, lost)))  # no other cause: its own record
+    assert (alone["kind"], alone["shard"]) == ("parameter_server", 0)
     unrecorded = error(7, "SyntaxError: bad")  # no record of its own: the agent's word, an error
     assert (unrecorded["kind"], unrecorded["message"]) == ("error", "SyntaxError: bad")

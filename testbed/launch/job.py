@@ -235,8 +235,9 @@ def blame(log_dir: Path, failure: RankFailure) -> dict[str, Any]:
     launch agent found, or, when that one only lost a peer, the earliest that did not."""
     if failure.killed:  # a signal leaves no record
         return {"message": failure.message, "rank": failure.rank, "kind": "killed", "facts": {}}
-    cause = root_cause(log_dir) if lost_peer(failure.message) else recorded(log_dir, failure.rank)
-    # A rank that exited before it could record (its interpreter failed to start) leaves the agent's word.
+    # Failing that (every rank lost a peer: a parameter server's shard died), its own record; a rank
+    # that exited before it could record (its interpreter failed to start) leaves the agent's word.
+    cause = (root_cause(log_dir) if lost_peer(failure.message) else None) or recorded(log_dir, failure.rank)
     return cause or {"message": failure.message, "rank": failure.rank, "kind": "error", "facts": {}}
 
 
