@@ -31,6 +31,7 @@ from testbed.imbalance import IMBALANCES
 from testbed.netem.links import MAX_ENDPOINTS
 from testbed.netem.options import NETWORKS
 from testbed.optim import SCHEMAS as OPTIM_SCHEMAS
+from testbed.optim import check_optimizer
 from testbed.paths import config_dir
 from testbed.sync import SYNCHRONIZERS
 
@@ -381,6 +382,7 @@ def validate(cfg: DictConfig, local_world_size: int | None = None, simulated: bo
     require(cfg.timeouts.collective_s > 0, "timeouts.collective_s: must be > 0 seconds")
     require(cfg.timeouts.rendezvous_s > 0, "timeouts.rendezvous_s: must be > 0 seconds")
     require(cfg.wandb.mode in WANDB_MODES, f"wandb.mode={cfg.wandb.mode}: allowed: {'|'.join(WANDB_MODES)}")
+    check_optimizer(cfg.optim)
 
     data = cfg.data
     require(data.batch_size >= 1, f"data.batch_size={data.batch_size}: must be >= 1")

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from testbed.checks import Option, options, require
+from testbed.rank_failure import RunFailure
 from testbed.results.step_log import flush_open_logs
 
 # The launcher passes the parameter servers' pids to the ranks for kill_ps (a JSON list).
@@ -91,8 +92,10 @@ FAULTS = options(
 )
 
 
-class NonFiniteLoss(FloatingPointError):
+class NonFiniteLoss(RunFailure, FloatingPointError):
     """A rank's loss is NaN or infinite: training on would spread it to every replica."""
+
+    kind = "nonfinite_loss"
 
 
 def fault_step(cfg: Any, seed: int, steps: int) -> int | None:

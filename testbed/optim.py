@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from testbed.checks import require
+
 
 @dataclass
 class LrScheduleConfig:
@@ -42,6 +44,22 @@ class AdamWConfig(LrScheduleConfig):
 
 
 SCHEMAS = {"sgd": SgdConfig, "adamw": AdamWConfig}
+
+
+def check_optimizer(optim: Any) -> None:
+    """Refuse, before anything starts, the settings torch's optimizer would refuse on every rank
+    (or, for a rate of 0, accept and never train)."""
+    require(optim.lr > 0, f"optim.lr={optim.lr}: the learning rate must be > 0 (e.g. optim.lr=0.05)")
+    require(optim.weight_decay >= 0, f"optim.weight_decay={optim.weight_decay}: must be >= 0 (0: none)")
+    if optim.name == "sgd":
+        require(optim.momentum >= 0, f"optim.momentum={optim.momentum}: must be >= 0 (0: plain SGD)")
+        require(not optim.nesterov or optim.momentum > 0,
+                "optim.nesterov=true needs momentum: set optim.momentum > 0 or optim.nesterov=false")
+    elif optim.name == "adamw":
+        betas = list(optim.betas)
+        require(len(betas) == 2 and all(0 <= b < 1 for b in betas),
+                f"optim.betas={betas}: two decay rates, each in [0, 1) (e.g. optim.betas=[0.9,0.999])")
+        require(optim.eps >= 0, f"optim.eps={optim.eps}: must be >= 0 (e.g. optim.eps=1e-8)")
 
 
 def build_optimizer(cfg: Any, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:

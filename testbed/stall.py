@@ -10,14 +10,14 @@ stalled, long before the timeout ends the run.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+
+from testbed.rank_failure import RunFailure
 
 log = logging.getLogger("testbed")
 KEY = "testbed/arrived/{}"  # "<step>:<wall time>" of the rank's last arrival or heartbeat
@@ -27,34 +27,27 @@ POST_EVERY_S = 0.1  # at most ten posts a second, however short the steps
 # and the posts of ranks that did arrive may still be on their way.
 STALL_AFTER_S = 2.0
 SILENT_S = 5.0  # a rank whose heartbeat is older than this is named with those that did not arrive
-STALL_FILE = "stall.json"  # in the job's logs/: what the launcher records as the failure's cause
 
 
-class StallError(RuntimeError):
+class StallError(RunFailure, RuntimeError):
     """A synchronization failed while some ranks had not arrived at it."""
+
+    kind = "stall"
 
     def __init__(self, step: int, missing: list[int], arrived: dict[int, int], cause: BaseException) -> None:
         self.step, self.missing, self.arrived = step, missing, arrived
         last = ", ".join(f"rank {r} at step {arrived.get(r, -1)}" for r in missing)
         super().__init__(f"step {step}: rank(s) {missing} did not arrive or went silent (last arrived: {last}); {cause}")
 
-    def record(self, log_dir: Path, reporter: int) -> None:
-        log_dir.mkdir(parents=True, exist_ok=True)
-        facts = {"step": self.step, "missing": self.missing, "arrived": self.arrived, "reporter": reporter}
-        (log_dir / STALL_FILE).write_text(json.dumps(facts))
-
-
-def read_stall(log_dir: Path) -> dict[str, Any] | None:
-    path = log_dir / STALL_FILE
-    return json.loads(path.read_text()) if path.exists() else None
+    def facts(self) -> dict[str, Any]:
+        return {"missing": self.missing}
 
 
 class Arrivals:
     """This rank's arrivals, posted to the store; everyone's, read back when a step fails."""
 
-    def __init__(self, rank: int, world_size: int, warn_after_s: float) -> None:
-        self.rank, self.world_size, self.warn_after_s = rank, world_size, warn_after_s
-        self.store = dist.distributed_c10d._get_default_store()
+    def __init__(self, rank: int, world_size: int, warn_after_s: float, store: dist.Store) -> None:
+        self.rank, self.world_size, self.warn_after_s, self.store = rank, world_size, warn_after_s, store
         self._arrived, self._posted = -1, -1
         self._wake = threading.Condition()
         self._stop = False

@@ -24,7 +24,9 @@ behind backward or not; ``t_sync`` is the exposed part, the time the step waited
 compute was done for communication still in flight (and for slower ranks: ``t_wait`` is part of
 it). Throughput depends on exposed time only; ``t_comm - t_sync`` is, roughly, what overlap hid.
 Synchronizers that cannot see their collectives (DDP, whose all-reduce runs inside backward)
-record ``t_comm: null``.
+record ``t_comm: null``. On CUDA a collective's start and end are events on the streams that run
+it (``stamp``), and codec time is read once the device is done (``device_seconds``): NCCL returns
+from a call, a future or ``work.wait()`` as soon as the work is queued.
 
 A synchronizer may measure the wait itself (a parameter server reports how long it held each pull
 back for slower workers); then its value is recorded as is.
@@ -114,6 +116,40 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (no-op on CPU): for host timers around whole runs."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def device_seconds(device: torch.device) -> float:
+    """``time.perf_counter()`` once the device's queued work is done: on CUDA a host timer alone
+    reads when kernels were queued, not when they ran."""
+    synchronize(device)
+    return time.perf_counter()
+
+
+# A point on a device's timeline: the host clock on CPU; on CUDA an event on the current stream,
+# which fires when the work queued on it before has run (under NCCL, work.wait() and a collective's
+# future return once it is queued).
+Stamp = float | torch.cuda.Event
+
+
+def stamp(device: torch.device) -> Stamp:
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def stamp_seconds(device: torch.device, stamps: list[Stamp]) -> list[float]:
+    """``stamps`` on the ``time.perf_counter`` clock; on CUDA this waits for the device, then
+    counts back from an event recorded on the idle device."""
+    if device.type != "cuda":
+        return [float(s) for s in stamps]
+    torch.cuda.synchronize(device)
+    anchor = torch.cuda.Event(enable_timing=True)
+    anchor.record()
+    anchor.synchronize()
+    now = time.perf_counter()
+    return [now - s.elapsed_time(anchor) / 1000.0 for s in stamps]  # type: ignore[union-attr]
 
 
 def fill_wait(records_by_rank: list[list[dict[str, Any]]], waits_for_peers: bool) -> None:

@@ -27,6 +27,7 @@ class World:
     # Seconds to add to this rank's time.time() to get rank 0's clock (0 on one machine, up to the
     # start-up estimate's error across machines); every absolute timestamp in the metrics uses it.
     clock_offset_s: float = 0.0
+    store: dist.Store | None = None  # the process group's key-value store (testbed.stall posts arrivals there)
 
     @property
     def is_main(self) -> bool:
@@ -67,14 +68,22 @@ def init_world(device_kind: str, backend: str, timeout_s: float, debug: bool = F
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
+    timeout = timedelta(seconds=timeout_s)
+    # The store made as init_process_group makes it for env://, kept: the stall check posts to it.
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    store = dist.PrefixStore("default_pg", store)
     dist.init_process_group(
         backend=backend,
-        timeout=timedelta(seconds=timeout_s),
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
         device_id=device if backend == "nccl" else None,
     )
-    world = World(rank, local_rank, world_size, local_world, device, backend, timeout_s)
+    world = World(rank, local_rank, world_size, local_world, device, backend, timeout_s, store=store)
     offset = _clock_offset(world)
-    return World(rank, local_rank, world_size, local_world, device, backend, timeout_s, offset)
+    return World(rank, local_rank, world_size, local_world, device, backend, timeout_s, offset, store)
 
 
 def _clock_offset(world: World) -> float:

@@ -100,6 +100,12 @@ BAD = {
     "codec on a synchronizer without one": (["compress=topk", "sync=local_sgd"], "compress=topk with sync=local_sgd: it averages parameters"),
     "powersgd on a parameter server": (["compress=powersgd", "sync=ps"], "compress=powersgd with sync=ps: PowerSGD needs every worker's P"),
     "codec ratio": (["compress=topk", "compress.ratio=0"], "compress.ratio=0.0: must be in (0, 1]"),
+    "learning rate": (["sync=ring", "optim.lr=-1"], "optim.lr=-1.0: the learning rate must be > 0"),
+    "momentum": (["optim.momentum=-0.5"], "optim.momentum=-0.5: must be >= 0"),
+    "nesterov without momentum": (["optim=sgd_plain", "optim.nesterov=true"], "optim.nesterov=true needs momentum"),
+    "weight decay": (["optim=adamw", "optim.weight_decay=-0.1"], "optim.weight_decay=-0.1: must be >= 0"),
+    "adam betas": (["optim=adamw", "optim.betas=[0.9,1.0]"], "optim.betas=[0.9, 1.0]: two decay rates, each in [0, 1)"),
+    "adam eps": (["optim=adamw", "optim.eps=-1e-8"], "optim.eps=-1e-08: must be >= 0"),
 }
 
 

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import load_params, read_json, read_jsonl, relative_error, run_cli
+from omegaconf import OmegaConf
+from torch import nn
+
+from testbed.sync import build_synchronizer
+from testbed.timing import stamp, stamp_seconds
+from testbed.world import World
 
 pytestmark = [
     pytest.mark.cuda,
@@ -45,3 +53,61 @@ def test_nccl_refuses_more_ranks_than_gpus(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "backend=nccl needs one CUDA GPU per local rank" in proc.stderr
     assert not (tmp_path / "job").exists()
+
+
+def sleep_cycles(device: torch.device, seconds: float) -> int:
+    """GPU clock cycles that torch.cuda._sleep spends in about ``seconds``."""
+    torch.cuda._sleep(1000)  # loaded before it is timed
+    torch.cuda.synchronize(device)
+    began = time.perf_counter()
+    torch.cuda._sleep(10_000_000)
+    torch.cuda.synchronize(device)
+    return int(seconds * 10_000_000 / (time.perf_counter() - began))
+
+
+def test_communication_is_timed_when_it_runs_not_when_it_is_queued() -> None:
+    """Under NCCL a collective's call, its future and work.wait() return once it is queued. A
+    bucket's all-reduce queued behind 0.2 s of other GPU work (backward's, when overlap launches
+    it) starts when that work is done and ends after it: its stamps agree with times bracketed by
+    torch.cuda.synchronize, where host timers would put both at the moment it was queued."""
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = nn.Linear(1024, 1024, device=device)
+        sync = build_synchronizer(OmegaConf.create({"name": "allreduce", "accumulate": 1, "bucket_mb": None,
+                                                    "overlap": False}))
+        sync.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), World(0, 0, 1, 1, device, "nccl", 60.0))
+        dist.all_reduce(torch.zeros(1, device=device))  # NCCL's communicator starts at the first collective
+        cycles = sleep_cycles(device, 0.2)
+
+        # The stamps alone, around GPU work: the work's duration, however soon the host moved on.
+        torch.cuda.synchronize(device)
+        began = time.perf_counter()
+        before = stamp(device)
+        torch.cuda._sleep(cycles)
+        after = stamp(device)
+        queued = time.perf_counter() - began
+        torch.cuda.synchronize(device)
+        ended = time.perf_counter()
+        start, end = stamp_seconds(device, [before, after])
+        assert queued < 0.25 * (ended - began), "the sleep must outlast its queueing for this test to tell"
+        assert began - 1e-3 <= start <= end <= ended + 1e-3
+        assert end - start == pytest.approx(ended - began, rel=0.1, abs=5e-3)
+
+        # A bucket's all-reduce launched behind that much work, as backward launches it.
+        torch.cuda.synchronize(device)
+        began = time.perf_counter()
+        torch.cuda._sleep(cycles)
+        traffic = sync.launch(0).result()
+        queued = time.perf_counter() - began
+        torch.cuda.synchronize(device)
+        ended = time.perf_counter()
+        start, end = stamp_seconds(device, [traffic.start, traffic.end])
+        slept = ended - began
+        assert queued < 0.25 * slept
+        assert start >= began + 0.8 * slept, (start - began, slept)  # it ran after the work queued before it
+        assert start <= end <= ended + 1e-3
+        sync.close()
+    finally:
+        dist.destroy_process_group()

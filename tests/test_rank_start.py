@@ -9,9 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from testbed.faults import NonFiniteLoss
 from testbed.launch import rank_server
-from testbed.launch.spawn import spawn_world
+from testbed.launch.job import blame, failure_cause
+from testbed.launch.spawn import RankFailure, spawn_world
+from testbed.ps.client import PsError
 from testbed.rank_failure import lost_peer, record_failure, root_cause
+from testbed.stall import StallError
 
 
 def environment_of_rank(keys: list[str]) -> dict[str, str | None]:
@@ -55,3 +59,30 @@ def test_the_root_cause_is_the_earliest_failure_that_is_not_a_lost_peer(tmp_path
     facts[1]["time"] = facts[2]["time"] - 1.0  # rank 1 failed a second before rank 2
     (tmp_path / "failure-rank1.json").write_text(json.dumps(facts[1]))
     assert root_cause(tmp_path) == {**facts[1], "message": "ValueError: first"}
+
+
+@pytest.mark.unit
+def test_a_failures_kind_and_facts_come_from_its_class(tmp_path: Path) -> None:
+    record_failure(tmp_path, 1, NonFiniteLoss("rank 1: loss is nan at step 3"))
+    record_failure(tmp_path, 2, PsError(1, "127.0.0.1:7000", "Push: UNAVAILABLE: timeout while connecting"))
+    record_failure(tmp_path, 3, StallError(4, [0], {0: 3}, RuntimeError("Timed out waiting 8000ms for recv")))
+    record_failure(tmp_path, 4, ValueError("optimizer refused the step"))
+    record_failure(tmp_path, 5, RuntimeError("[unbound_buffer.cc:78] Timed out waiting 2000ms for recv"))
+
+    def error(rank: int, message: str = "exited with code 1") -> dict:
+        return failure_cause(blame(tmp_path, RankFailure(rank, message)))
+
+    assert error(1)["kind"] == "nonfinite_loss" and error(1)["message"] == "NonFiniteLoss: rank 1: loss is nan at step 3"
+    assert error(2) == {"message": "PsError: ps shard 1 at 127.0.0.1:7000: Push: UNAVAILABLE: timeout while connecting",
+                        "rank": 2, "kind": "parameter_server", "shard": 1}  # not a timeout: a lost shard
+    stall = error(3)
+    assert (stall["kind"], stall["rank"], stall["missing"], stall["reporter"]) == ("stall", 0, [0], 3)
+    assert error(4)["kind"] == "error" and error(5)["kind"] == "timeout"
+    killed = failure_cause(blame(tmp_path, RankFailure(6, "killed by signal SIGKILL (pid 1)", killed=True)))
+    assert killed == {"message": "killed by signal SIGKILL (pid 1)", "rank": 6, "kind": "killed"}
+    lost = "PsError: ps shard 0 at 127.0.0.1:7001: Push: UNAVAILABLE: Connection reset by peer (104)"
+    record_failure(tmp_path / "ps", 0, PsError(0, "127.0.0.1:7001", "Push: UNAVAILABLE: Connection reset by peer (104)"))
+    alone = failure_cause(blame(tmp_path / "ps", RankFailure(0, lost)))  # no other cause: its own record
+    assert (alone["kind"], alone["shard"]) == ("parameter_server", 0)
+    unrecorded = error(7, "SyntaxError: bad")  # no record of its own: the agent's word, an error
+    assert (unrecorded["kind"], unrecorded["message"]) == ("error", "SyntaxError: bad")

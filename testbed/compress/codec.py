@@ -21,13 +21,14 @@ Q) is drawn from a generator seeded alike everywhere, and step counts agree with
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 import torch
+
+from testbed.timing import device_seconds
 
 
 @dataclass
@@ -167,20 +168,21 @@ class PayloadCodec(Codec):
     def reduce_(self, bucket: torch.Tensor, comm: Collectives) -> Moved:
         """Replace ``bucket`` (this rank's share of the mean) by the sum over ranks of the decoded
         payloads: all-reduced for a linear codec, allgathered for a non-linear one."""
-        start = time.perf_counter()
+        device = bucket.device  # its clock waits for the device's kernels to run (testbed.timing)
+        start = device_seconds(device)
         payload = self.compress(bucket)
-        encoded = time.perf_counter()
+        encoded = device_seconds(device)
         if self.linear:
             sent, recv = comm.allreduce_payload_(payload)
-            decoding = time.perf_counter()
+            decoding = device_seconds(device)
             self.decode(payload, bucket)
         else:
             gathered, sent, recv = comm.allgather_payload(payload)
-            decoding = time.perf_counter()
+            decoding = device_seconds(device)
             bucket.zero_()
             for part in gathered.view(comm.world_size, -1):
                 self.decode(part, bucket, add=True)
-        return Moved(sent, recv, encoded - start, time.perf_counter() - decoding)
+        return Moved(sent, recv, encoded - start, device_seconds(device) - decoding)
 
 
 class BytePayload(PayloadCodec):

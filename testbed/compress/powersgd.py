@@ -17,7 +17,6 @@ parameter server's single push cannot carry.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +24,7 @@ import torch
 
 from testbed.checks import require
 from testbed.compress.codec import Codec, CodecSpec, Collectives, CompressConfig, Moved, generator
+from testbed.timing import device_seconds
 
 
 @dataclass
@@ -105,7 +105,7 @@ class PowerSgd(Codec):
             sent, recv = comm.allreduce_payload_(bucket)
             bucket.div_(n)
             return Moved(sent, recv)
-        start = time.perf_counter()
+        start = device_seconds(self.device)  # waits for the device's kernels (testbed.timing)
         if self.residual is not None:
             bucket.add_(self.residual)
             self.input.copy_(bucket)
@@ -121,16 +121,16 @@ class PowerSgd(Codec):
         for m, p, q in zip(matrices, self.ps, self.qs):
             orthogonalize_(q)
             torch.matmul(m, q, out=p)
-        encoded = time.perf_counter()
+        encoded = device_seconds(self.device)
         sent, recv = comm.allreduce_payload_(self.first)
-        mid = time.perf_counter()
+        mid = device_seconds(self.device)
         for p in self.ps:
             orthogonalize_(p)
         for m, p, q in zip(matrices, self.ps, self.qs):
             torch.matmul(m.T, p, out=q)
-        between = time.perf_counter() - mid
+        between = device_seconds(self.device) - mid
         more_sent, more_recv = comm.allreduce_payload_(self.q_memory) if self.q_memory.numel() else (0, 0)
-        decoding = time.perf_counter()
+        decoding = device_seconds(self.device)
         self.q_memory.div_(n)
         at = 0
         for offset, numel in self.plain:
@@ -142,7 +142,7 @@ class PowerSgd(Codec):
             torch.sub(self.input, bucket, out=self.residual)
         self.steps += 1
         return Moved(sent + more_sent, recv + more_recv, encoded - start + between,
-                     time.perf_counter() - decoding)
+                     device_seconds(self.device) - decoding)
 
 
 def _check(cfg: Any) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 import signal
 import sys
 import time
@@ -22,12 +21,11 @@ from testbed.launch.rank import ATTEMPT_ENV, rank_main
 from testbed.launch.spawn import RankFailure, spawn_world
 from testbed.netem import EmulatedNetwork, machines_of
 from testbed.preflight import check_free_ports, listeners
-from testbed.rank_failure import lost_peer, root_cause
+from testbed.rank_failure import RunFailure, kind_of, lost_peer, recorded, root_cause
 from testbed.results.step_log import read_step_log
 from testbed.results.summary import ATTEMPTS, failed_summary, summarize, write_summary
 from testbed.results.table import format_table, summary_row
 from testbed.results.wandb_run import group_name
-from testbed.stall import read_stall
 from testbed.sweeps import excluded, finished, resumable, set_aside
 from testbed.sync import SYNCHRONIZERS, run_label
 from testbed.world import DEBUG_ENV
@@ -71,7 +69,10 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
         try:
             summary = rank_main(plain, str(job_dir), identity)  # every rank runs here; rank 0 returns the summary
         except Exception as exc:
-            _record_failure(job_dir, plain, f"{type(exc).__name__}: {exc}", joined[0])
+            cause = cause_of(exc, joined[0])
+            if lost_peer(cause["message"]):
+                cause = root_cause(job_dir / "logs") or cause
+            _record_failure(job_dir, plain, cause)
             raise  # torchrun/Slurm see the rank fail and stop the others
         if summary is None:
             return None
@@ -179,13 +180,13 @@ def _attempt(
                 write_summary(job_dir, summary)
             return summary
     except RankFailure as failure:
-        return _record_failure(job_dir, plain, failure.message, failure.rank, detected_at=time.time())
+        return _record_failure(job_dir, plain, blame(job_dir / "logs", failure), detected_at=time.time())
     except (SignalException, KeyboardInterrupt) as stop:  # told to stop: keep this job's result, end the sweep
         signum = stop.sigval if isinstance(stop, SignalException) else signal.SIGINT
-        _record_failure(job_dir, plain, f"stopped by {signal.Signals(signum).name}", None)
+        _record_failure(job_dir, plain, _launcher_cause(f"stopped by {signal.Signals(signum).name}", "stopped"))
         raise SystemExit(128 + int(signum)) from None
     except Exception as exc:  # servers that never came up, a rendezvous timeout, ...: still a result
-        return _record_failure(job_dir, plain, f"{type(exc).__name__}: {exc}", None)
+        return _record_failure(job_dir, plain, _launcher_cause(f"{type(exc).__name__}: {exc}", "launch"))
 
 
 def _identity(plain: dict[str, Any], hydra_cfg: Any, multirun: bool) -> dict[str, Any]:
@@ -215,13 +216,9 @@ def _with_overrides(job_dir: Path, summary: dict[str, Any] | None, hydra_cfg: An
 
 
 def _record_failure(
-    job_dir: Path, plain: dict[str, Any], message: str, rank: int | None, detected_at: float | None = None
+    job_dir: Path, plain: dict[str, Any], cause: dict[str, Any], detected_at: float | None = None
 ) -> dict[str, Any]:
-    if rank is not None and lost_peer(message):  # the agent found the peer of the failed rank first
-        cause = root_cause(job_dir / "logs")
-        if cause is not None:
-            message, rank = cause["message"], cause["rank"]
-    error = failure_cause(message, rank, read_stall(job_dir / "logs"))
+    error = failure_cause(cause)
     if detected_at is not None:
         error["detected_at"] = detected_at  # when the launcher learned of it (restart cost)
     spec = SYNCHRONIZERS[plain["sync"]["name"]]
@@ -229,35 +226,39 @@ def _record_failure(
     write_summary(job_dir, summary)
     where = "" if error["rank"] is None else f"rank {error['rank']}: "
     log.error("run failed at step %s (%s): %s%s (results so far kept in %s)", error["step"], error["kind"], where,
-              message, job_dir)
+              error["message"], job_dir)
     return summary
 
 
-def failure_cause(message: str, rank: int | None, stall: dict[str, Any] | None) -> dict[str, Any]:
-    """What failed and where: ``kind`` and the rank to blame (for a stall, the first that did not
-    arrive rather than the one that reported it; for a parameter server, also its ``shard``). Peers
-    of a rank that died may report a stall too, later: only a stall that is itself the first failure
-    counts."""
-    if stall is not None and message.startswith("StallError"):
-        return {"message": message, "rank": stall["missing"][0], "kind": "stall", "missing": stall["missing"],
-                "reporter": stall["reporter"]}
-    if rank is not None and message.startswith("PsError"):
-        # Every worker loses a dead shard and whichever reports first is the rank: the shard is the cause.
-        shard = re.search(r"ps shard (\d+) at ", message)
-        return {"message": message, "rank": rank, "kind": "parameter_server", "shard": int(shard[1]) if shard else None}
-    if message.startswith("stopped by"):
-        kind = "stopped"
-    elif rank is None:
-        kind = "launch"
-    elif "killed by signal" in message:
-        kind = "killed"
-    elif message.startswith("NonFiniteLoss"):
-        kind = "nonfinite_loss"
-    elif "timed out" in message.lower() or "timeout" in message.lower():
-        kind = "timeout"
-    else:
-        kind = "error"
-    return {"message": message, "rank": rank, "kind": kind}
+def blame(log_dir: Path, failure: RankFailure) -> dict[str, Any]:
+    """The failure record (testbed.rank_failure) of the rank to blame for ``failure``: the one the
+    launch agent found, or, when that one only lost a peer, the earliest that did not."""
+    if failure.killed:  # a signal leaves no record
+        return {"message": failure.message, "rank": failure.rank, "kind": "killed", "facts": {}}
+    # Failing that (every rank lost a peer: a parameter server's shard died), its own record; a rank
+    # that exited before it could record (its interpreter failed to start) leaves the agent's word.
+    cause = (root_cause(log_dir) if lost_peer(failure.message) else None) or recorded(log_dir, failure.rank)
+    return cause or {"message": failure.message, "rank": failure.rank, "kind": "error", "facts": {}}
+
+
+def cause_of(exc: BaseException, rank: int) -> dict[str, Any]:
+    """The failure record of an exception this process raised as ``rank`` (inside torchrun/Slurm)."""
+    facts = exc.facts() if isinstance(exc, RunFailure) else {}
+    return {"message": f"{type(exc).__name__}: {exc}", "rank": rank, "kind": kind_of(exc), "facts": facts}
+
+
+def _launcher_cause(message: str, kind: str) -> dict[str, Any]:
+    return {"message": message, "rank": None, "kind": kind, "facts": {}}
+
+
+def failure_cause(cause: dict[str, Any]) -> dict[str, Any]:
+    """The summary's error for a failure record: ``message``, ``kind`` and the rank to blame (for a
+    stall, the first that did not arrive rather than the one that reported it, the ``reporter``; for
+    a parameter server, also its ``shard``)."""
+    error = {"message": cause["message"], "rank": cause["rank"], "kind": cause["kind"], **cause["facts"]}
+    if cause["kind"] == "stall":
+        error["rank"], error["reporter"] = cause["facts"]["missing"][0], cause["rank"]
+    return error
 
 
 def _check_joined(cfg: DictConfig, joined: tuple[int, int, int, int], hydra_cfg: Any, multirun: bool) -> None:

@@ -41,11 +41,11 @@ from testbed.results.summary import summarize, write_summary
 from testbed.results.wandb_run import WandbRun, remove_import_temporaries
 from testbed.seeds import rank_seed
 from testbed.sim.step import communication_bound_s
-from testbed.stall import Arrivals, StallError
-from testbed.sync import run_label, spec_of
+from testbed.stall import Arrivals
+from testbed.sync import Synchronizer, run_label, spec_of
 from testbed.timing import fill_wait_from_latest
 from testbed.trainer import Trainer
-from testbed.world import World, close_world, init_world
+from testbed.world import World, close_world, env_rank_layout, init_world
 
 log = logging.getLogger("testbed")
 # Which attempt of its job a spawned world is (0, then 1, 2, ... after restarts: testbed.launch.job).
@@ -64,17 +64,23 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
     """
     cfg = OmegaConf.create(plain_cfg)
     _exit_on_sigterm()
-    enter_rank_namespace()  # network=emulated: before any socket exists
-    spec = spec_of(cfg.sync.name)
-    os.environ.update(spec.rank_env(cfg))  # before the process group: NCCL reads its settings there
-    world = init_world(config.resolved_device(cfg), config.resolved_backend(cfg), cfg.timeouts.collective_s, cfg.debug)
-    _configure_logging(world.rank)
-    log.info("rank %d/%d pid %d device %s backend %s", world.rank, world.world_size, os.getpid(), world.device, world.backend)
-    sync = spec.impl(cfg.sync, cfg.compress, int(cfg.seed))
+    rank = env_rank_layout()[0]
+    sync: Synchronizer | None = None
     tracker: WandbRun | None = None
     summary: dict[str, Any] | None = None
-    arrivals = Arrivals(world.rank, world.world_size, cfg.timeouts.stall_warn_s) if world.world_size > 1 else None
-    try:
+    arrivals: Arrivals | None = None
+    try:  # from the start, so that every failure of the rank is recorded with its kind
+        enter_rank_namespace()  # network=emulated: before any socket exists
+        spec = spec_of(cfg.sync.name)
+        os.environ.update(spec.rank_env(cfg))  # before the process group: NCCL reads its settings there
+        world = init_world(config.resolved_device(cfg), config.resolved_backend(cfg), cfg.timeouts.collective_s,
+                           cfg.debug)
+        _configure_logging(world.rank)
+        log.info("rank %d/%d pid %d device %s backend %s", world.rank, world.world_size, os.getpid(), world.device,
+                 world.backend)
+        sync = spec.impl(cfg.sync, cfg.compress, int(cfg.seed))
+        if world.world_size > 1:
+            arrivals = Arrivals(world.rank, world.world_size, cfg.timeouts.stall_warn_s, world.store)
         threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // world.local_world_size)
         torch.set_num_threads(threads)
         torch.manual_seed(cfg.seed)  # identical initial replicas on every rank
@@ -121,9 +127,6 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
             checkpoint.restore_rng(state, injector.rng)
         try:
             records = earlier + trainer.run()
-        except StallError as stall:
-            stall.record(Path(job_dir) / "logs", world.rank)  # the launcher names the missing ranks
-            raise
         finally:
             step_log.close()  # everything written before the exchange (or the crash report)
             batches.close()
@@ -142,7 +145,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
         summary = _finish(plain_cfg, world, model, sync, step_log, records, Path(job_dir), facts, bound)
         return summary
     except Exception as exc:
-        record_failure(Path(job_dir) / "logs", world.rank, exc)  # before the teardown below closes connections
+        record_failure(Path(job_dir) / "logs", rank, exc)  # before the teardown below closes connections
         if lost_peer(str(exc)):
             time.sleep(LOST_PEER_GRACE_S)  # so that the launch agent finds the peer's death (a signal) first
         raise
@@ -152,7 +155,8 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
         if tracker:
             tracker.finish(summary)
             remove_import_temporaries()  # this process ends without the interpreter's exit
-        sync.close()
+        if sync is not None:
+            sync.close()
         close_world()
 
 

@@ -27,10 +27,12 @@ from testbed.launch import rank_server
 
 @dataclass
 class RankFailure(Exception):
-    """A run whose ranks did not all finish; ``rank`` is the first rank that failed."""
+    """A run whose ranks did not all finish; ``rank`` is the first rank that failed, ``killed``
+    whether a signal ended it (then it recorded nothing of its own: testbed.rank_failure)."""
 
     rank: int
     message: str
+    killed: bool = False
 
     def __str__(self) -> str:
         return f"rank {self.rank}: {self.message}"
@@ -82,10 +84,8 @@ def spawn_world(
         # launcher reads the cause from the ranks' own records (testbed.rank_failure).
         rank, failure = min(exc.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
         if failure.exitcode < 0:
-            message = f"killed by signal {failure.signal_name()} (pid {failure.pid})"
-        else:
-            message = _last_line(failure.message) or f"exited with code {failure.exitcode}"
-        raise RankFailure(rank, message) from None
+            raise RankFailure(rank, f"killed by signal {failure.signal_name()} (pid {failure.pid})", killed=True) from None
+        raise RankFailure(rank, _last_line(failure.message) or f"exited with code {failure.exitcode}") from None
 
 
 def _in_environment(entry: Callable[..., Any], environ: dict[str, str], *args: Any) -> Any:

@@ -28,12 +28,22 @@ from testbed.ps.wire import (
     open_channel,
     passthrough,
 )
+from testbed.rank_failure import RunFailure
 
 T = TypeVar("T")
 
 
-class PsError(RuntimeError):
-    """A failed call to one shard: ``ps shard <i> at <address>: <STATUS>: <details>``."""
+class PsError(RunFailure, RuntimeError):
+    """A failed call to one shard: ``ps shard <i> at <address>: <call>: <STATUS>: <details>``."""
+
+    kind = "parameter_server"
+
+    def __init__(self, shard: int, address: str, what: str) -> None:
+        self.shard = shard  # every worker loses a dead shard, whichever reports it: the shard is the cause
+        super().__init__(f"ps shard {shard} at {address}: {what}")
+
+    def facts(self) -> dict[str, Any]:
+        return {"shard": self.shard}
 
 
 @dataclass
@@ -68,9 +78,7 @@ class PsClient:
         try:
             return fn()
         except grpc.RpcError as err:
-            raise PsError(
-                f"ps shard {self.ids[shard]} at {self.addresses[shard]}: {what}: {err.code().name}: {err.details()}"
-            ) from None
+            raise PsError(self.ids[shard], self.addresses[shard], f"{what}: {err.code().name}: {err.details()}") from None
 
     def _each(self, fn: Callable[[int], T]) -> list[T]:
         """``fn(shard)`` for every shard concurrently; the first failure is raised."""
@@ -122,16 +130,16 @@ class PsClient:
                 into = params[i]
                 if meta.get("encoded"):
                     if decoders is None:
-                        raise PsError(f"ps shard {self.ids[i]} at {self.addresses[i]}: Pull: an encoded pull, but no codec here")
+                        raise PsError(self.ids[i], self.addresses[i], "Pull: an encoded pull, but no codec here")
                     into = torch.empty(decoders[i].payload_numel(), dtype=decoders[i].payload_dtype)
                 version, received = -1, 0
                 for chunk in call:
                     if chunk.malformed or chunk.offset + chunk.length > into.numel():
-                        raise PsError(f"ps shard {self.ids[i]} at {self.addresses[i]}: Pull: bad chunk {chunk.malformed}")
+                        raise PsError(self.ids[i], self.addresses[i], f"Pull: bad chunk {chunk.malformed}")
                     copy_in(into, chunk.offset, chunk.data)
                     version, received = chunk.step, received + chunk.length
                 if received != into.numel():
-                    raise PsError(f"ps shard {self.ids[i]} at {self.addresses[i]}: Pull: got {received} of {into.numel()} elements")
+                    raise PsError(self.ids[i], self.addresses[i], f"Pull: got {received} of {into.numel()} elements")
                 if into is not params[i]:  # the update, added as the shard added it to its copy
                     assert decoders is not None
                     decoders[i].expect(version)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import os
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +13,7 @@ import torch.distributed as dist
 from testbed.costs import ring
 from testbed.sync.flat import FlatGradSynchronizer, InFlight, Traffic
 from testbed.sync.spec import BucketedSyncConfig, SimModel, SyncSpec, node_ordered_ring
+from testbed.timing import Stamp, stamp
 
 
 class NcclAlgo(enum.Enum):
@@ -42,7 +42,7 @@ class NativeAllReduce(FlatGradSynchronizer):
         if self.codecs is not None:
             return super().launch(index)
         flat = self.buckets[index].view
-        return _AsyncAllReduce(dist.all_reduce(flat, async_op=True), *self._moved(flat))
+        return _AsyncAllReduce(dist.all_reduce(flat, async_op=True), *self._moved(flat), flat.device)
 
     def allgather_payload(self, payload: torch.Tensor) -> tuple[torch.Tensor, int, int]:
         gathered = torch.empty(self.world_size * payload.numel(), dtype=payload.dtype, device=payload.device)
@@ -67,20 +67,22 @@ class NativeAllReduce(FlatGradSynchronizer):
 
 
 class _AsyncAllReduce:
-    """An all-reduce the backend runs; completion is stamped by the backend's own callback."""
+    """An all-reduce the backend runs; completion is stamped by the backend's own callback. Gloo
+    calls it from its thread when the collective is done; NCCL at once, on a stream that waits
+    for the collective, so that the stamp (an event on that stream) fires when it is done."""
 
-    def __init__(self, work: dist.Work, sent: int, recv: int) -> None:
-        self._work, self._sent, self._recv = work, sent, recv
-        self._start = time.perf_counter()
-        self._end: float | None = None
+    def __init__(self, work: dist.Work, sent: int, recv: int, device: torch.device) -> None:
+        self._work, self._sent, self._recv, self._device = work, sent, recv, device
+        self._start = stamp(device)
+        self._end: Stamp | None = None
         work.get_future().add_done_callback(self._done)
 
     def _done(self, _future: torch.futures.Future) -> None:
-        self._end = time.perf_counter()
+        self._end = stamp(self._device)
 
     def result(self) -> Traffic:
         self._work.wait()
-        return Traffic(self._sent, self._recv, self._start, self._end or time.perf_counter())
+        return Traffic(self._sent, self._recv, self._start, stamp(self._device) if self._end is None else self._end)
 
 
 # Gloo's all-reduce of large buffers is a ring; the calibration fits the backend's own as "native".

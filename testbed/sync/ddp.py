@@ -87,7 +87,9 @@ class DdpSync(Synchronizer):
         if self.powersgd is not None and self.powersgd.total_numel_after_compression:
             # PowerSGD counts the elements it sends (P, Q and the tensors it leaves whole) per bucket.
             after = self.powersgd.total_numel_after_compression
-            n, esize = self.world.world_size, self.raw_bytes // sum(p.numel() for p in self.model.parameters())
+            # Frozen parameters have no gradient to send: raw_bytes counts only the trainable ones.
+            trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+            n, esize = self.world.world_size, self.raw_bytes // trainable
             moved = 2 * (n - 1) * (after - self._compressed) * esize // n
             self._compressed = after
         return SyncReport(bytes_sent=moved, bytes_recv=moved)
@@ -104,7 +106,8 @@ class DdpSync(Synchronizer):
         # the reducer's reference the last, the group would be destroyed inside the reducer's
         # destructor, which joins Gloo's worker threads holding the GIL while one of them may need
         # it to free a finished collective's tensor: a rank hung at exit that way.
-        self.module = self.model
+        if isinstance(getattr(self, "module", None), DistributedDataParallel):  # none before setup made it
+            self.module = self.model
 
 
 def _check(cfg: Any) -> None:

@@ -7,7 +7,6 @@ where it reuses working memory, ``make_scratch``; bucketing, overlap and the mea
 from __future__ import annotations
 
 import itertools
-import time
 from abc import abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
@@ -21,6 +20,7 @@ from testbed.collectives.ring import ring_allgather_
 from testbed.compress import Codec, build_codec
 from testbed.compress.codec import codec_facts, residual_norm
 from testbed.sync.base import GradReadiness, Synchronizer, SyncReport
+from testbed.timing import Stamp, stamp, stamp_seconds
 from testbed.world import World
 
 
@@ -43,13 +43,13 @@ def bucket_ends(sizes: list[int], cap_bytes: float | None) -> list[int]:
 
 @dataclass
 class Traffic:
-    """One bucket's collective: bytes this rank sent and received, and when it ran (perf_counter);
-    compressed, also its codec time."""
+    """One bucket's collective: bytes this rank sent and received, and when it ran (on the device's
+    timeline: testbed.timing.stamp); compressed, also its codec time."""
 
     sent: int
     recv: int
-    start: float
-    end: float
+    start: Stamp
+    end: Stamp
     t_encode: float = 0.0
     t_decode: float = 0.0
 
@@ -94,6 +94,10 @@ class FlatGradSynchronizer(Synchronizer):
     The mean is taken before the sum, as DDP takes it, a bucket at a time just before its
     collective: the division of every bucket but the last hides behind backward.
     """
+
+    def __init__(self, cfg: Any, compress: Any = None, seed: int = 0) -> None:
+        super().__init__(cfg, compress, seed)
+        self._comm: ThreadPoolExecutor | None = None  # overlap's communication thread, from setup
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> None:
         super().setup(model, optimizer, world)
@@ -153,15 +157,17 @@ class FlatGradSynchronizer(Synchronizer):
 
     def launch(self, index: int) -> InFlight:
         """Start bucket ``index``'s collective during backward, where the algorithm runs it."""
+        assert self._comm is not None  # launched only with overlap, which started it
         return self._comm.submit(self._timed, index)
 
     def _timed(self, index: int) -> Traffic:
-        start = time.perf_counter()
+        device = self.world.device
+        start = stamp(device)
         if self.codecs is not None:
             moved = self.codecs[index].reduce_(self.buckets[index].view, self)
-            return Traffic(moved.sent, moved.recv, start, time.perf_counter(), moved.t_encode, moved.t_decode)
+            return Traffic(moved.sent, moved.recv, start, stamp(device), moved.t_encode, moved.t_decode)
         sent, recv = self.allreduce_(self.buckets[index].view, self.scratch[index])
-        return Traffic(sent, recv, start, time.perf_counter())
+        return Traffic(sent, recv, start, stamp(device))
 
     # --- what a codec's reduction runs on (testbed.compress.codec.Collectives) ---------------
 
@@ -194,8 +200,9 @@ class FlatGradSynchronizer(Synchronizer):
             for index in range(len(self.buckets)):
                 self._mean_(index)
                 results.append(self._timed(index))
+        times = stamp_seconds(self.world.device, [t for r in results for t in (r.start, r.end)])
         report = SyncReport(bytes_sent=sum(r.sent for r in results), bytes_recv=sum(r.recv for r in results),
-                            t_comm=busy_time([(r.start, r.end) for r in results]))
+                            t_comm=busy_time(list(zip(times[::2], times[1::2]))))
         if self.codecs is not None:
             report.t_encode = sum(r.t_encode for r in results)
             report.t_decode = sum(r.t_decode for r in results)
@@ -227,5 +234,5 @@ class FlatGradSynchronizer(Synchronizer):
         return facts
 
     def close(self) -> None:
-        if self.overlap:
+        if self._comm is not None:
             self._comm.shutdown(wait=True)

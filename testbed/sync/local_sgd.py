@@ -35,9 +35,9 @@ class LocalSgdSyncConfig(SyncBase):
     over: str = "allreduce"  # the averaging collective: allreduce (the backend's) | ring
 
 
-def averages_at(cfg: Any, step: int) -> bool:
-    """Whether ranks communicate (and meet) at ``step``: every warm-up step, then every period."""
-    sync = cfg.sync
+def averages_at(sync: Any, step: int) -> bool:
+    """Whether ranks communicate (and meet) at ``step`` under the sync config ``sync``: every
+    warm-up step (gradients), then every period's last (parameters)."""
     return step < int(sync.sync_steps) or (step - int(sync.sync_steps) + 1) % int(sync.period) == 0
 
 
@@ -70,7 +70,7 @@ class LocalSgd(Synchronizer):
             self.optimizer.step()
             return SyncReport(bytes_sent=moved, bytes_recv=moved)
         self.optimizer.step()
-        if (step - self.cfg.sync_steps + 1) % self.cfg.period:
+        if not averages_at(self.cfg, step):
             return SyncReport(t_wait=0.0, replicas_agree=False)  # a local step: nobody to wait for
         self._average_(self.flat_params)
         return SyncReport(bytes_sent=moved, bytes_recv=moved)
@@ -106,6 +106,6 @@ def _over(cfg: Any) -> SimModel:
 SPEC = SyncSpec(
     name="local_sgd", schema=LocalSgdSyncConfig, impl=LocalSgd, check=_check,
     sim=SimModel(series=lambda cfg: _over(cfg).series(cfg), cost=lambda cfg: _over(cfg).cost(cfg), schedule="average",
-                 meets=averages_at),
+                 meets=lambda cfg, step: averages_at(cfg.sync, step)),
     no_codec="it averages parameters, not gradients, and encoding the model delta is not built",
 )

@@ -209,8 +209,8 @@ class ParameterServerSync(Synchronizer):
             facts["compress"] = codec_facts(self.compress, self.codecs, self.bytes_per_step)
         return facts
 
-    def close(self) -> None:
-        if getattr(self, "overlap", False):
+    def close(self) -> None:  # each part only where setup got to it
+        if hasattr(self, "_pushes"):
             self._pushes.shutdown(wait=True)
         if hasattr(self, "client"):
             self.client.close()
