@@ -26,7 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from testbed.results.step_log import metrics_path, read_step_log
+from testbed.results.step_log import metrics_path, read_step_records
+from testbed.step_record import StepRecord
 
 DIR, LATEST = "checkpoints", "latest"
 # Config that may differ between a run and its resumption: how it runs, not what it computes.
@@ -110,9 +111,9 @@ def load(resume_dir: Path, rank: int) -> tuple[int, dict[str, Any]]:
     return checkpoint_step(path), torch.load(path / f"rank{rank}.pt", weights_only=False)
 
 
-def earlier_records(resume_dir: Path, rank: int, upto: int) -> list[dict[str, Any]]:
+def earlier_records(resume_dir: Path, rank: int, upto: int) -> list[StepRecord]:
     """This rank's step records of the resumed run, steps 0..upto."""
-    return [r for r in read_step_log(metrics_path(resume_dir, rank)) if r["step"] <= upto]
+    return [r for r in read_step_records(metrics_path(resume_dir, rank)) if r.step <= upto]
 
 
 def mismatches(cfg: dict[str, Any], resumed: dict[str, Any]) -> list[str]:

@@ -36,9 +36,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+
+from testbed.step_record import StepRecord
 
 PHASES = ("data", "injected", "forward", "backward", "sync", "optimizer")
 
@@ -152,34 +153,34 @@ def stamp_seconds(device: torch.device, stamps: list[Stamp]) -> list[float]:
     return [now - s.elapsed_time(anchor) / 1000.0 for s in stamps]  # type: ignore[union-attr]
 
 
-def fill_wait(records_by_rank: list[list[dict[str, Any]]], waits_for_peers: bool) -> None:
+def fill_wait(records_by_rank: list[list[StepRecord]], waits_for_peers: bool) -> None:
     """Set ``t_wait`` in every record, in place, from the enter times of all ranks (see module doc).
 
     Records that already carry a ``t_wait`` (measured by the synchronizer) keep it. Steps that not
     every rank completed (a failed run) keep ``t_wait: None``.
     """
-    by_step: list[dict[int, dict[str, Any]]] = [{r["step"]: r for r in recs} for recs in records_by_rank]
+    by_step: list[dict[int, StepRecord]] = [{r.step: r for r in recs} for recs in records_by_rank]
     common = sorted(set(by_step[0]).intersection(*by_step[1:])) if by_step else []
-    latest = [max(ranks[step]["t_sync_enter"] for ranks in by_step) for step in common]
+    latest = [max(ranks[step].t_sync_enter for ranks in by_step) for step in common]
     for ranks in by_step:
         fill_wait_from_latest([ranks[step] for step in common], latest, waits_for_peers)
 
 
-def fill_wait_from_latest(records: list[dict[str, Any]], latest: list[float], waits_for_peers: bool) -> None:
+def fill_wait_from_latest(records: list[StepRecord], latest: list[float], waits_for_peers: bool) -> None:
     """Set ``t_wait`` of one rank's records given, per record, the latest enter time over all ranks."""
     for rec, last in zip(records, latest):
-        if rec.get("t_wait") is None:  # a synchronizer's own measurement is kept
-            rec["t_wait"] = min(max(last - rec["t_sync_enter"], 0.0), rec["t_sync"]) if waits_for_peers else 0.0
+        if rec.t_wait is None:  # a synchronizer's own measurement is kept
+            rec.t_wait = min(max(last - rec.t_sync_enter, 0.0), rec.t_sync) if waits_for_peers else 0.0
 
 
-def real_compute_time(record: dict[str, Any]) -> float:
+def real_compute_time(record: StepRecord) -> float:
     """Time a rank spent on its own real work in a step: everything but synchronization and injection."""
-    return record["t_data"] + record["t_forward"] + record["t_backward"] + record["t_optimizer"]
+    return record.t_data + record.t_forward + record.t_backward + record.t_optimizer
 
 
-def compute_time(record: dict[str, Any]) -> float:
+def compute_time(record: StepRecord) -> float:
     """Time a rank was busy before it could synchronize: real compute plus injected slowness."""
-    return real_compute_time(record) + record.get("t_injected", 0.0)
+    return real_compute_time(record) + record.t_injected
 
 
 def percentile(values: list[float], q: float) -> float | None:

@@ -24,6 +24,7 @@ from testbed.faults import FaultInjector, NonFiniteLoss
 from testbed.imbalance import Injector
 from testbed.results.step_log import StepLog
 from testbed.stall import Arrivals
+from testbed.step_record import StepRecord
 from testbed.sync import Synchronizer
 from testbed.sync.base import SyncReport
 from testbed.timing import StepClock, real_compute_time
@@ -51,7 +52,7 @@ class Trainer:
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy,
         injector: Injector | None = None,
         loss_weight: float = 1.0,
-        on_record: Callable[[dict[str, Any]], None] | None = None,
+        on_record: Callable[[StepRecord], None] | None = None,
         fault: FaultInjector | None = None,
         arrivals: Arrivals | None = None,
         start_step: int = 0,
@@ -79,12 +80,12 @@ class Trainer:
         self.evaluator = evaluator  # held-out evaluation every eval.every steps, and the target (testbed.eval)
         self.began = time.perf_counter()  # the run's clock (MLPerf's: it never stops, evaluation included)
 
-    def run(self) -> list[dict[str, Any]]:
+    def run(self) -> list[StepRecord]:
         device, world, sync = self.world.device, self.world, self.sync
         k = sync.accumulate
         clock = StepClock(device, world.clock_offset_s, micro_steps=k)
         non_blocking = device.type == "cuda"
-        records: list[dict[str, Any]] = []
+        records: list[StepRecord] = []
         last_compute: float | None = None
         # Each micro-batch's mean counts 1/k: the window's gradient is that of its whole batch.
         scale = self.loss_weight / k
@@ -127,38 +128,36 @@ class Trainer:
             clock.mark("optimizer")
             times = clock.finish()
             phases = times.phases
-            record = {
-                "step": step,
-                "rank": world.rank,
-                "samples": samples,
-                "loss": (losses[0] if k == 1 else torch.stack(losses).mean()).item(),
-                "t_data": phases["data"],
-                "t_injected": phases["injected"],
-                "t_forward": phases["forward"],
-                "t_backward": phases["backward"],
-                "t_sync": phases["sync"],
+            record = StepRecord(
+                step=step,
+                rank=world.rank,
+                samples=samples,
+                loss=(losses[0] if k == 1 else torch.stack(losses).mean()).item(),
+                t_data=phases["data"],
+                t_injected=phases["injected"],
+                t_forward=phases["forward"],
+                t_backward=phases["backward"],
+                t_sync=phases["sync"],
                 # None: completed after the run from all ranks' arrival times (testbed.timing)
-                "t_wait": report.t_wait,
-                "t_comm": report.t_comm,
-                "t_encode": report.t_encode,
-                "t_decode": report.t_decode,
-                "t_optimizer": phases["optimizer"],
-                "t_step": times.step,
-                "bytes_sent": report.bytes_sent,
-                "bytes_recv": report.bytes_recv,
-                "t_sync_enter": times.sync_enter,
-                "t_sync_exit": times.sync_exit,
-                "lr": lr,
-            }
+                t_wait=report.t_wait,
+                t_comm=report.t_comm,
+                t_encode=report.t_encode,
+                t_decode=report.t_decode,
+                t_optimizer=phases["optimizer"],
+                t_step=times.step,
+                bytes_sent=report.bytes_sent,
+                bytes_recv=report.bytes_recv,
+                t_sync_enter=times.sync_enter,
+                t_sync_exit=times.sync_exit,
+                lr=lr,
+                staleness=report.staleness,
+                residual_norm=report.residual_norm,
+            )
             last_compute = real_compute_time(record)
-            if report.staleness is not None:
-                record["staleness"] = report.staleness
-            if report.residual_norm is not None:
-                record["residual_norm"] = report.residual_norm
             self.step_log.write(record)
             records.append(record)
-            if not math.isfinite(record["loss"]):  # recorded, then stop: NaN gradients spread to every replica
-                raise NonFiniteLoss(f"rank {world.rank}: loss is {record['loss']} at step {step}")
+            if not math.isfinite(record.loss):  # recorded, then stop: NaN gradients spread to every replica
+                raise NonFiniteLoss(f"rank {world.rank}: loss is {record.loss} at step {step}")
             if self.on_record is not None:
                 self.on_record(record)
             if self.after_step is not None:
@@ -199,13 +198,13 @@ class Trainer:
                 raise stall from exc
             raise
 
-    def _progress(self, step: int, record: dict[str, Any], elapsed: float) -> None:
+    def _progress(self, step: int, record: StepRecord, elapsed: float) -> None:
         done = step + 1
         eta = elapsed / (done - self.start_step) * (self.steps - done)
         bar = "#" * (20 * done // self.steps)
         log.info(
             "[%-20s] step %d/%d  loss %.4f  step %.1f ms  sync %.1f ms  elapsed %.1fs  eta %.1fs",
-            bar, done, self.steps, record["loss"], 1e3 * record["t_step"], 1e3 * record["t_sync"], elapsed, eta,
+            bar, done, self.steps, record.loss, 1e3 * record.t_step, 1e3 * record.t_sync, elapsed, eta,
         )
 
 

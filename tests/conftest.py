@@ -16,6 +16,7 @@ import torch
 
 from testbed.ps.client import PsClient
 from testbed.ps.launch import LocalServers
+from testbed.step_record import FIELDS, StepRecord
 
 REPO = Path(__file__).resolve().parent.parent
 # Parameter-server shards for the tests: 1 KiB chunks, plain SGD with an exact (power-of-two) step.
@@ -56,6 +57,11 @@ def read_json(path: Path) -> Any:
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def step_record(**fields: Any) -> StepRecord:
+    """A step record of ``fields``, every other field 0."""
+    return StepRecord(**{**dict.fromkeys(FIELDS, 0), **fields})
 
 
 def load_params(job_dir: Path) -> dict[str, torch.Tensor]:

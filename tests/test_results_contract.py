@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import load_params, read_json, read_jsonl, run_cli
 
-from testbed.results.step_log import STEP_FIELDS
+from testbed.step_record import FIELDS
 from testbed.timing import PHASES
 
 STEPS = 8
@@ -52,7 +52,7 @@ def test_four_jobs_each_with_a_complete_contract(sweep: tuple[Path, str]) -> Non
             records = read_jsonl(job / "metrics" / f"rank{rank}.jsonl")
             assert [r["step"] for r in records] == list(range(STEPS))
             for r in records:
-                assert list(r) == list(STEP_FIELDS)
+                assert list(r) == list(FIELDS)
                 assert r["rank"] == rank and r["samples"] == 32 and r["t_wait"] is not None
                 assert r["t_step"] == pytest.approx(sum(r[f"t_{p}"] for p in PHASES))
                 assert 0.0 <= r["t_wait"] <= r["t_sync"]

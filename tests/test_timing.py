@@ -6,35 +6,37 @@ import time
 
 import pytest
 import torch
+from conftest import step_record
 
+from testbed.step_record import StepRecord
 from testbed.timing import PHASES, StepClock, compute_time, fill_wait, percentile, real_compute_time
 
 pytestmark = pytest.mark.unit
 
 
-def rec(step: int, enter: float, t_sync: float) -> dict:
-    return {"step": step, "t_sync_enter": enter, "t_sync": t_sync, "t_wait": None}
+def rec(step: int, enter: float, t_sync: float, t_wait: float | None = None) -> StepRecord:
+    return step_record(step=step, t_sync_enter=enter, t_sync=t_sync, t_wait=t_wait)
 
 
 def test_wait_is_latest_arrival_minus_own() -> None:
     ranks = [[rec(0, 10.0, 0.5), rec(1, 20.0, 0.2)], [rec(0, 10.3, 0.2), rec(1, 20.1, 0.1)]]
     fill_wait(ranks, waits_for_peers=True)
-    assert [r["t_wait"] for r in ranks[0]] == pytest.approx([0.3, 0.1])
-    assert [r["t_wait"] for r in ranks[1]] == [0.0, 0.0]
+    assert [r.t_wait for r in ranks[0]] == pytest.approx([0.3, 0.1])
+    assert [r.t_wait for r in ranks[1]] == [0.0, 0.0]
 
 
 def test_wait_never_exceeds_sync_time() -> None:
     # Clock error across machines can make the estimate exceed the time actually spent in sync.
     ranks = [[rec(0, 0.0, 0.05)], [rec(0, 1.0, 0.01)]]
     fill_wait(ranks, waits_for_peers=True)
-    assert ranks[0][0]["t_wait"] == 0.05
+    assert ranks[0][0].t_wait == 0.05
 
 
 def test_no_wait_without_peers_and_unknown_for_missing_steps() -> None:
     ranks = [[rec(0, 0.0, 0.0), rec(1, 1.0, 0.0)], [rec(0, 5.0, 0.0)]]
     fill_wait(ranks, waits_for_peers=False)
-    assert ranks[0][0]["t_wait"] == 0.0 and ranks[1][0]["t_wait"] == 0.0
-    assert ranks[0][1]["t_wait"] is None  # rank 1 never reached step 1
+    assert ranks[0][0].t_wait == 0.0 and ranks[1][0].t_wait == 0.0
+    assert ranks[0][1].t_wait is None  # rank 1 never reached step 1
 
 
 def test_step_clock_measures_each_phase() -> None:
@@ -77,7 +79,7 @@ def test_step_clock_adds_up_micro_steps_and_keeps_the_last_sync() -> None:
 
 
 def test_compute_excludes_sync_and_counts_injected_time_apart() -> None:
-    r = {"t_data": 1.0, "t_injected": 5.0, "t_forward": 2.0, "t_backward": 3.0, "t_sync": 100.0, "t_optimizer": 4.0}
+    r = step_record(t_data=1.0, t_injected=5.0, t_forward=2.0, t_backward=3.0, t_sync=100.0, t_optimizer=4.0)
     assert real_compute_time(r) == 10.0
     assert compute_time(r) == 15.0
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
@@ -85,6 +87,6 @@ def test_compute_excludes_sync_and_counts_injected_time_apart() -> None:
 
 
 def test_a_synchronizers_own_wait_is_kept() -> None:
-    ranks = [[{**rec(0, 0.0, 0.5), "t_wait": 0.125}], [{**rec(0, 1.0, 0.5), "t_wait": 0.0}]]
+    ranks = [[rec(0, 0.0, 0.5, t_wait=0.125)], [rec(0, 1.0, 0.5, t_wait=0.0)]]
     fill_wait(ranks, waits_for_peers=False)
-    assert ranks[0][0]["t_wait"] == 0.125 and ranks[1][0]["t_wait"] == 0.0
+    assert ranks[0][0].t_wait == 0.125 and ranks[1][0].t_wait == 0.0

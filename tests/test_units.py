@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import step_record
 from omegaconf import OmegaConf
 from torch import nn
 
@@ -16,6 +17,7 @@ from testbed.data import RankBatches
 from testbed.netem.links import machines_of
 from testbed.results.step_log import StepLog, read_step_log
 from testbed.results.summary import summarize
+from testbed.step_record import StepRecord
 from testbed.sync import build_synchronizer
 from testbed.sync.base import GradReadiness
 from testbed.sync.flat import bucket_ends, busy_time
@@ -50,7 +52,7 @@ def sync_cfg(name: str, **extra: object) -> object:
     return OmegaConf.create({"name": name, "accumulate": 1, "bucket_mb": None, "overlap": False, **extra})
 
 
-def train(world: World, tmp_path: Path, name: str, steps: int, **extra: object) -> tuple[nn.Module, list[dict]]:
+def train(world: World, tmp_path: Path, name: str, steps: int, **extra: object) -> tuple[nn.Module, list[StepRecord]]:
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sync = build_synchronizer(sync_cfg(name, **extra))
@@ -81,11 +83,12 @@ def test_trainer_in_a_world_of_one_is_the_plain_loop(world: World, tmp_path: Pat
     reference = plain_loop(5)
     for (key, p), q in zip(model.state_dict().items(), reference.state_dict().values()):
         assert torch.equal(p, q), key  # bitwise: the same kernels on the same batches
-    assert [r["step"] for r in records] == list(range(5)) and all(r["samples"] == 8 for r in records)
-    assert read_step_log(tmp_path / f"{name}.jsonl") == records  # the step log is what the trainer returned
+    assert [r.step for r in records] == list(range(5)) and all(r.samples == 8 for r in records)
+    # The step log is what the trainer returned.
+    assert read_step_log(tmp_path / f"{name}.jsonl") == [r.to_json() for r in records]
     for r in records:
-        phases = sum(r[k] for k in ("t_data", "t_injected", "t_forward", "t_backward", "t_sync", "t_optimizer"))
-        assert phases == pytest.approx(r["t_step"], rel=1e-6, abs=1e-6)  # the phases tile the step
+        phases = r.t_data + r.t_injected + r.t_forward + r.t_backward + r.t_sync + r.t_optimizer
+        assert phases == pytest.approx(r.t_step, rel=1e-6, abs=1e-6)  # the phases tile the step
 
 
 def test_accumulation_in_a_world_of_one_averages_the_window(world: World, tmp_path: Path) -> None:
@@ -93,7 +96,7 @@ def test_accumulation_in_a_world_of_one_averages_the_window(world: World, tmp_pa
     reference = plain_loop(3, accumulate=2)
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
-    assert all(r["samples"] == 16 for r in records)  # two micro-batches per step
+    assert all(r.samples == 16 for r in records)  # two micro-batches per step
 
 
 def test_flat_buffers_view_the_gradients_in_buckets(world: World) -> None:
@@ -162,12 +165,10 @@ def test_readiness_fires_each_group_once_in_backward_order() -> None:
         fired.clear()
 
 
-def record(step: int, rank: int, t_step: float, samples: int = 8, **extra: object) -> dict:
-    base = {"step": step, "rank": rank, "samples": samples, "loss": 1.0 / (step + 1), "t_data": 0.0,
-            "t_injected": 0.0, "t_forward": t_step / 2, "t_backward": t_step / 4, "t_sync": t_step / 4,
-            "t_wait": 0.0, "t_comm": t_step / 8, "t_optimizer": 0.0, "t_step": t_step, "bytes_sent": 100 * (rank + 1),
-            "bytes_recv": 0}
-    return {**base, **extra}
+def record(step: int, rank: int, t_step: float, samples: int = 8) -> StepRecord:
+    return step_record(step=step, rank=rank, samples=samples, loss=1.0 / (step + 1), t_forward=t_step / 2,
+                       t_backward=t_step / 4, t_sync=t_step / 4, t_wait=0.0, t_comm=t_step / 8, t_step=t_step,
+                       bytes_sent=100 * (rank + 1), t_encode=None, t_decode=None)
 
 
 def test_summary_arithmetic() -> None:

@@ -97,8 +97,8 @@ def bench_rank(plain: dict[str, dict[str, Any]], repeats: int, out_dir: str) -> 
         timed = records[cfg.warmup_steps:]
         if r:
             for phase in PHASES:
-                phases[name][phase].append(statistics.fmean(rec[phase] for rec in timed))
-        return statistics.fmean(rec["t_step"] for rec in timed)
+                phases[name][phase].append(statistics.fmean(getattr(rec, phase) for rec in timed))
+        return statistics.fmean(rec.t_step for rec in timed)
 
     try:
         for r in range(repeats + 1):  # round 0 warms up both paths and is discarded

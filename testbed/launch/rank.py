@@ -42,6 +42,7 @@ from testbed.results.wandb_run import WandbRun, remove_import_temporaries
 from testbed.seeds import rank_seed
 from testbed.sim.step import communication_bound_s
 from testbed.stall import Arrivals
+from testbed.step_record import StepRecord
 from testbed.sync import Synchronizer, run_label, spec_of
 from testbed.timing import fill_wait_from_latest
 from testbed.trainer import Trainer
@@ -136,7 +137,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
         facts = {"workload": workload_facts(cfg.model, spec, model), "buffers": buffers.describe(),
                  "data": batches.describe()}
         if evaluator is not None:
-            last = records[-1]["step"] if records else -1
+            last = records[-1].step if records else -1
             if evaluator.at_end and (not evaluator.rows or evaluator.rows[-1]["step"] != last):
                 evaluator.evaluate(sync, last, time.perf_counter() - trainer.began)
             facts["eval"] = evaluator.summary()
@@ -162,7 +163,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
 
 def _finish(
     plain_cfg: dict[str, Any], world: World, model: torch.nn.Module, sync: Any,
-    step_log: StepLog, records: list[dict[str, Any]], job_dir: Path, run_facts: dict[str, Any],
+    step_log: StepLog, records: list[StepRecord], job_dir: Path, run_facts: dict[str, Any],
     comm_bound_s: float | None,
 ) -> dict[str, Any] | None:
     """After the last step: one all-reduce of enter times (for t_wait), then rank 0 gathers the records."""
@@ -176,7 +177,7 @@ def _finish(
         "device": str(world.device),
         "backend": world.backend,
     }
-    latest = torch.tensor([r["t_sync_enter"] for r in records], dtype=torch.float64, device=world.device)
+    latest = torch.tensor([r.t_sync_enter for r in records], dtype=torch.float64, device=world.device)
     dist.all_reduce(latest, op=dist.ReduceOp.MAX)
     fill_wait_from_latest(records, latest.tolist(), sync.waits_for_peers)
     step_log.rewrite(records)

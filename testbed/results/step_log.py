@@ -9,13 +9,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-# Fields of every per-step record, in seconds and bytes (docs/results.md).
-STEP_FIELDS = (
-    "step", "rank", "samples", "loss",
-    "t_data", "t_injected", "t_forward", "t_backward", "t_sync", "t_wait", "t_comm", "t_encode", "t_decode",
-    "t_optimizer", "t_step",
-    "bytes_sent", "bytes_recv", "t_sync_enter", "t_sync_exit", "lr",
-)
+from testbed.step_record import StepRecord
 
 
 def metrics_path(job_dir: Path, rank: int) -> Path:
@@ -38,18 +32,18 @@ class StepLog:
         self.path = path
         self.flush_s = flush_s
         self._file = open(path, "w")
-        self._pending: list[dict[str, Any]] = []
+        self._pending: list[StepRecord] = []
         self._next_flush = time.monotonic() + flush_s
         _OPEN.add(self)
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: StepRecord) -> None:
         self._pending.append(record)
         if time.monotonic() >= self._next_flush:
             self.flush()
 
     def flush(self) -> None:
         if self._pending:
-            self._file.write("".join([json.dumps(r) + "\n" for r in self._pending]))
+            self._file.write("".join([json.dumps(r.to_json()) + "\n" for r in self._pending]))
             self._pending.clear()
         self._file.flush()
         self._next_flush = time.monotonic() + self.flush_s
@@ -60,12 +54,12 @@ class StepLog:
             self.flush()
             self._file.close()
 
-    def rewrite(self, records: list[dict[str, Any]]) -> None:
+    def rewrite(self, records: list[StepRecord]) -> None:
         """Replace the file atomically with completed records (e.g. t_wait filled in)."""
         self.close()
         tmp = self.path.with_suffix(".jsonl.tmp")
         with open(tmp, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
+            f.writelines(json.dumps(r.to_json()) + "\n" for r in records)
         os.replace(tmp, self.path)
 
 
@@ -80,7 +74,8 @@ def flush_open_logs() -> None:
 
 
 def read_step_log(path: Path) -> list[dict[str, Any]]:
-    """Records of one rank; a torn last line (the rank died mid-write) is skipped."""
+    """Records of one rank as the file has them (analysis, outside tools); a torn last line (the
+    rank died mid-write) is skipped."""
     records = []
     if path.exists():
         for line in path.read_text().splitlines():
@@ -89,3 +84,11 @@ def read_step_log(path: Path) -> list[dict[str, Any]]:
             except json.JSONDecodeError:
                 continue
     return records
+
+
+def read_step_records(path: Path) -> list[StepRecord]:
+    """Records of one rank, typed: what the testbed itself reads back (a resumed or failed run)."""
+    try:
+        return [StepRecord.from_json(obj) for obj in read_step_log(path)]
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None

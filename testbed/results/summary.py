@@ -14,8 +14,9 @@ import torch
 from omegaconf import OmegaConf
 
 from testbed import batch
-from testbed.results.step_log import metrics_path, read_step_log
+from testbed.results.step_log import metrics_path, read_step_records
 from testbed.results.workload import workload_throughput
+from testbed.step_record import StepRecord
 from testbed.timing import PHASES, compute_time, fill_wait, percentile
 
 ATTEMPTS = "attempts"  # a job directory's earlier attempts (testbed.sweeps): not jobs of their own
@@ -55,20 +56,20 @@ def _spread(values: list[float]) -> dict[str, float | None]:
     return {"median": percentile(values, 50), "p10": percentile(values, 10), "p90": percentile(values, 90)}
 
 
-def _imbalance(rows: list[list[dict[str, Any]]], ranks: int) -> dict[str, Any]:
+def _imbalance(rows: list[list[StepRecord]], ranks: int) -> dict[str, Any]:
     """Who was slow and what it cost: compute includes injected time (testbed.timing)."""
     compute = [[compute_time(r) for r in row] for row in rows]
     ratios = [max(c) / (sum(c) / len(c)) - 1.0 for c in compute if sum(c) > 0]
-    waits = [r["t_wait"] or 0.0 for row in rows for r in row]
-    total = sum(r["t_step"] for row in rows for r in row)
+    waits = [r.t_wait or 0.0 for row in rows for r in row]
+    total = sum(r.t_step for row in rows for r in row)
     slowest = Counter(max(range(len(c)), key=c.__getitem__) for c in compute)
     per_rank = [
         {
             "rank": rank,
             "compute": percentile([c[rank] for c in compute], 50),
-            "injected": percentile([row[rank].get("t_injected", 0.0) for row in rows], 50),
-            "wait": percentile([row[rank]["t_wait"] or 0.0 for row in rows], 50),
-            "sync": percentile([row[rank]["t_sync"] for row in rows], 50),
+            "injected": percentile([row[rank].t_injected for row in rows], 50),
+            "wait": percentile([row[rank].t_wait or 0.0 for row in rows], 50),
+            "sync": percentile([row[rank].t_sync for row in rows], 50),
         }
         for rank in range(ranks if rows else 0)
     ]
@@ -85,7 +86,7 @@ def _imbalance(rows: list[list[dict[str, Any]]], ranks: int) -> dict[str, Any]:
 
 def summarize(
     cfg: dict[str, Any],
-    records_by_rank: list[list[dict[str, Any]]],
+    records_by_rank: list[list[StepRecord]],
     per_rank: list[dict[str, Any]] | None = None,
     sync_facts: dict[str, Any] | None = None,
     status: str = "ok",
@@ -99,19 +100,19 @@ def summarize(
     (testbed.sim.step.communication_bound_s), is set against the measured busy time."""
     warmup = int(cfg["warmup_steps"])
     world_size = int(cfg["world_size"])
-    common = set.intersection(*(set(r["step"] for r in recs) for recs in records_by_rank)) if records_by_rank else set()
+    common = set.intersection(*(set(r.step for r in recs) for recs in records_by_rank)) if records_by_rank else set()
     steady = sorted(s for s in common if s >= warmup)
-    by_step = [{r["step"]: r for r in recs} for recs in records_by_rank]
+    by_step = [{r.step: r for r in recs} for recs in records_by_rank]
     rows = [[ranks[s] for ranks in by_step] for s in steady]  # rows[step][rank]
 
     # A step lasts as long as its slowest rank. Throughput sums each rank's own pace, its samples
     # per step over its mean step: samples per second of wall time, which stays right when ranks do
     # not wait for each other (asynchronous and bounded-staleness PS) and counts communication
     # that happens only every few steps (local SGD), which a median step would leave out.
-    step_times = [max(r["t_step"] for r in row) for row in rows]
+    step_times = [max(r.t_step for r in row) for row in rows]
     global_batch = batch.global_batch(OmegaConf.create(cfg))
     step_time = percentile(step_times, 50)
-    per_rank_steps = [(row_r[0]["samples"], [r["t_step"] for r in row_r]) for row_r in zip(*rows)]
+    per_rank_steps = [(row_r[0].samples, [r.t_step for r in row_r]) for row_r in zip(*rows)]
 
     def paced(average: Any) -> float | None:
         return sum(samples / average(times) for samples, times in per_rank_steps) if per_rank_steps else None
@@ -132,22 +133,21 @@ def summarize(
         "step_time_p90": percentile(step_times, 90),
     }
     names = list(PHASES) + [
-        extra for extra in ("wait", "comm", "encode", "decode") if rows and all(r.get(f"t_{extra}") is not None for row in rows for r in row)
+        extra for extra in ("wait", "comm", "encode", "decode") if rows and all(getattr(r, f"t_{extra}") is not None for row in rows for r in row)
     ]
-    summary["phases"] = {f"t_{p}": _spread([r[f"t_{p}"] for row in rows for r in row]) for p in names}
+    summary["phases"] = {f"t_{p}": _spread([getattr(r, f"t_{p}") for row in rows for r in row]) for p in names}
     summary.update(_imbalance(rows, len(records_by_rank)))
     summary["sync_bound"] = _bound(rows, comm_bound_s)
-    sent = [sum(r["bytes_sent"] for r in row) for row in rows]
+    # Bytes and loss are unknown (None) in a simulated run's records.
+    sent = [sum(r.bytes_sent for r in row) for row in rows if all(r.bytes_sent is not None for r in row)]
     summary["bytes_per_step"] = (statistics.median(sent) / world_size) if sent else None  # per rank
     summary["bytes_per_step_total"] = statistics.median(sent) if sent else None
-    staleness = Counter(r["staleness"] for recs in records_by_rank for r in recs if r.get("staleness") is not None)
+    staleness = Counter(r.staleness for recs in records_by_rank for r in recs if r.staleness is not None)
     if staleness:  # every update applied, warm-up included: index = staleness, value = count
         summary["staleness_histogram"] = [staleness.get(s, 0) for s in range(max(staleness) + 1)]
-    if common:  # the first and last steps every rank completed
-        summary["loss_first"] = statistics.fmean(ranks[min(common)]["loss"] for ranks in by_step)
-        summary["final_loss"] = statistics.fmean(ranks[max(common)]["loss"] for ranks in by_step)
-    else:
-        summary["loss_first"] = summary["final_loss"] = None
+    # The first and last steps every rank completed.
+    summary["loss_first"] = _mean_loss(by_step, min(common)) if common else None
+    summary["final_loss"] = _mean_loss(by_step, max(common)) if common else None
     if per_rank:
         summary["peak_rss_bytes"] = [p["peak_rss_bytes"] for p in per_rank]
         summary["cuda_peak_bytes"] = [p.get("cuda_peak_bytes") for p in per_rank]
@@ -175,11 +175,16 @@ def summarize(
     return summary
 
 
-def _bound(rows: list[list[dict[str, Any]]], bound_s: float | None) -> dict[str, float] | None:
+def _mean_loss(by_step: list[dict[int, StepRecord]], step: int) -> float | None:
+    losses = [ranks[step].loss for ranks in by_step]
+    return None if None in losses else statistics.fmean(losses)
+
+
+def _bound(rows: list[list[StepRecord]], bound_s: float | None) -> dict[str, float] | None:
     """The bound over the median busy communication (``t_comm``) of the steps that communicated,
     less a codec's encoding and decoding (the bound is of its payloads on the wire); None without a
     bound or where the synchronizer cannot see its communication (DDP)."""
-    busy = [r["t_comm"] - (r.get("t_encode") or 0.0) - (r.get("t_decode") or 0.0) for row in rows for r in row if r.get("t_comm")]
+    busy = [r.t_comm - (r.t_encode or 0.0) - (r.t_decode or 0.0) for row in rows for r in row if r.t_comm]
     if bound_s is None or not busy:
         return None
     measured = statistics.median(busy)
@@ -192,7 +197,7 @@ def failed_summary(
     """Summary of a run that did not finish, from whatever step records its ranks wrote; ``error``
     gains ``step``, the step in progress when it failed (the steps every rank completed).
     ``waits_for_peers``: the synchronizer's (testbed.timing.fill_wait)."""
-    records = [read_step_log(metrics_path(job_dir, r)) for r in range(int(cfg["world_size"]))]
+    records = [read_step_records(metrics_path(job_dir, r)) for r in range(int(cfg["world_size"]))]
     records = [recs for recs in records if recs]
     if records:
         fill_wait(records, waits_for_peers=waits_for_peers)

@@ -18,6 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from testbed.step_record import StepRecord
+
 log = logging.getLogger("testbed")
 
 # Per-step fields worth a chart; absolute timestamps and the rank would only clutter the dashboard.
@@ -70,10 +72,10 @@ class WandbRun:
             log.warning("W&B %s failed, continuing without it: %s: %s", what, type(exc).__name__, exc)
             self.run = None
 
-    def log_step(self, record: dict[str, Any]) -> None:
+    def log_step(self, record: StepRecord) -> None:
         if self.run is not None:
-            self.wall_s += record["t_step"]
-            metrics = {k: v for k, v in record.items() if k not in _SKIP and v is not None}
+            self.wall_s += record.t_step
+            metrics = {k: v for k, v in record.to_json().items() if k not in _SKIP and v is not None}
             self._guard("log", self.run.log, {**metrics, "wall_s": self.wall_s})
 
     def log_eval(self, row: dict[str, Any]) -> None:

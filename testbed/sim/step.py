@@ -46,6 +46,7 @@ from testbed.results.summary import summarize
 from testbed.sim import calibrate, codecs
 from testbed.sim.codecs import CodecPlan, Compressed
 from testbed.sim.events import compute_times, simulate_ps
+from testbed.step_record import StepRecord
 from testbed.sync import run_label, spec_of
 from testbed.sync.flat import bucket_ends
 from testbed.sync.spec import ranks_per_node
@@ -295,7 +296,7 @@ def _barrier(compute: np.ndarray, meet: np.ndarray, comm_s: np.ndarray) -> tuple
 
 @dataclass
 class Prediction:
-    records: list[list[dict[str, Any]]]  # per rank, per step: the trainer's step record fields
+    records: list[list[StepRecord]]  # per rank, per step
     facts: dict[str, Any]  # what the prediction assumed
 
 
@@ -420,9 +421,9 @@ def _records(
     cfg: Any, sizes: list[int], per_sample: list[float], optimizer_s: float, accumulate: int,
     delays: np.ndarray, wait: np.ndarray, comm: np.ndarray, encode: np.ndarray | None = None,
     decode: np.ndarray | None = None,
-) -> list[list[dict[str, Any]]]:
-    """The trainer's step records; a codec's encode and decode (busy, as a run's) are inside the
-    sync time."""
+) -> list[list[StepRecord]]:
+    """The trainer's step records, with what only a run knows left None (testbed.step_record); a
+    codec's encode and decode (busy, as a run's) are inside the sync time."""
     data_s, forward_s, backward_s = per_sample
     out = []
     for rank, batch in enumerate(sizes):
@@ -432,14 +433,15 @@ def _records(
         rows = []
         for t in range(delays.shape[0]):
             sync_s = float(wait[t, rank] + comm[t, rank])
-            rows.append({
-                "step": t, "rank": rank, "samples": micro, "loss": 0.0, **phases,
-                "t_injected": float(delays[t, rank]), "t_sync": sync_s, "t_wait": float(wait[t, rank]),
-                "t_comm": float(comm[t, rank]), "t_step": sum(phases.values()) + float(delays[t, rank]) + sync_s,
-                "bytes_sent": 0, "bytes_recv": 0, "t_sync_enter": None, "t_sync_exit": None,
-                "t_encode": None if encode is None else float(encode[t, rank]),
-                "t_decode": None if decode is None else float(decode[t, rank]),
-            })
+            rows.append(StepRecord(
+                step=t, rank=rank, samples=micro, loss=None, **phases,
+                t_injected=float(delays[t, rank]), t_sync=sync_s, t_wait=float(wait[t, rank]),
+                t_comm=float(comm[t, rank]), t_step=sum(phases.values()) + float(delays[t, rank]) + sync_s,
+                bytes_sent=None, bytes_recv=None, t_sync_enter=None, t_sync_exit=None,
+                t_encode=None if encode is None else float(encode[t, rank]),
+                t_decode=None if decode is None else float(decode[t, rank]),
+                lr=None,
+            ))
         out.append(rows)
     return out
 
@@ -451,6 +453,5 @@ def simulate(cfg: Any) -> dict[str, Any]:
     config.validate(OmegaConf.create({**plain, "network": {"name": "loopback"}}), local_world_size=1, simulated=True)
     prediction = predict(cfg)
     summary = summarize(plain, prediction.records, label=run_label(plain))
-    summary.update(simulated=True, final_loss=None, loss_first=None, gradient_bytes=prediction.facts["gradient_bytes"],
-                   sync_facts=prediction.facts)
+    summary.update(simulated=True, gradient_bytes=prediction.facts["gradient_bytes"], sync_facts=prediction.facts)
     return summary

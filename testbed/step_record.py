@@ -1,0 +1,68 @@
+"""One rank's record of one training step: the fields of ``metrics/rank{r}.jsonl`` (docs/results.md).
+
+The trainer and the simulator build it, a resumed run reads its predecessor's back with
+``from_json``, and ``to_json`` is the line the step log writes. A simulated record leaves what only
+a real execution knows as None: ``loss``, ``lr``, ``bytes_sent``, ``bytes_recv``, ``t_sync_enter``
+and ``t_sync_exit`` (the simulator predicts time, not learning or the wire), and ``t_encode`` and
+``t_decode`` without a codec, as a run does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(slots=True)
+class StepRecord:
+    # Declared in the order of the JSON line; seconds and bytes.
+    step: int
+    rank: int
+    samples: int
+    loss: float | None
+    t_data: float
+    t_injected: float
+    t_forward: float
+    t_backward: float
+    t_sync: float
+    t_wait: float | None  # None until the run ends (testbed.timing.fill_wait)
+    t_comm: float | None
+    t_encode: float | None
+    t_decode: float | None
+    t_optimizer: float
+    t_step: float
+    bytes_sent: int | None
+    bytes_recv: int | None
+    t_sync_enter: float | None
+    t_sync_exit: float | None
+    lr: float | None
+    # Only some synchronizers report these: the line has them only when they are set.
+    staleness: int | None = None
+    residual_norm: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The step log's object: every field in order, an optional one only when set."""
+        out = {name: getattr(self, name) for name in FIELDS}
+        for name in OPTIONAL_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> StepRecord:
+        """A record from a step log's object; ValueError naming the fields that are missing or unknown."""
+        missing = [name for name in FIELDS if name not in obj]
+        unknown = sorted(set(obj) - set(ALL_FIELDS))
+        if missing or unknown:
+            raise ValueError(
+                f"step record of step {obj.get('step')}: missing fields {missing}, unknown fields {unknown}; "
+                "the log was written by another version of the testbed (docs/results.md lists the fields): "
+                "rerun it with this one"
+            )
+        return cls(**obj)
+
+
+ALL_FIELDS = tuple(f.name for f in fields(StepRecord))
+OPTIONAL_FIELDS = ("staleness", "residual_norm")
+FIELDS = tuple(name for name in ALL_FIELDS if name not in OPTIONAL_FIELDS)  # in every line, in this order
