@@ -705,7 +705,8 @@ def _validate_checkpoint(cfg: DictConfig) -> None:
         return
     resumed = Path(cfg.resume)
     found = checkpoint.latest(resumed)
-    require(found is not None, f"resume={cfg.resume}: no complete checkpoint there (run it with checkpoint.every > 0)")
+    require(found is not None, f"resume={cfg.resume}: no complete checkpoint there "
+            f"({'; '.join(checkpoint.scan(resumed)[1]) or 'run it with checkpoint.every > 0'})")
     summary = resumed / "summary.json"
     require(summary.exists(), f"resume={cfg.resume}: no summary.json to compare the config with")
     differ = checkpoint.mismatches(to_plain(cfg), json.loads(summary.read_text())["config"])
