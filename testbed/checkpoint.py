@@ -3,9 +3,12 @@
 A checkpoint after step s holds, per rank, what the steps after s depend on: parameters,
 optimizer state and the random generators (torch's, Python's, the imbalance injector's). The data
 position needs nothing: a rank's batch is a function of (seed, step) (testbed.data). Every rank
-writes its own file; once all have (a barrier), rank 0 points ``latest`` at the new checkpoint and
-removes the oldest beyond ``checkpoint.keep``. A run killed while writing leaves ``latest`` on the
-previous complete checkpoint.
+writes its own file; once all have (a barrier), rank 0 writes the step's ``manifest.json`` (the
+sha256 of every file there, the shards' too) last and atomically, then removes the oldest beyond
+``checkpoint.keep``. A checkpoint is complete when its manifest is there and every file matches it:
+one left without a manifest (a run killed while writing) or with a file that no longer matches
+(truncated, corrupted) is named with its file and the reason, and resume and restart fall back to
+the previous complete one.
 
 ``resume=<job dir>`` starts a new job from that directory's latest checkpoint: the step records
 before it are copied into the new job's metrics, so the new job's results cover the whole run. For
@@ -17,6 +20,9 @@ the shards' snapshot and the workers' checkpoints agree on.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
 import random
 import shutil
@@ -29,7 +35,9 @@ import torch.distributed as dist
 from testbed.results.step_log import metrics_path, read_step_records
 from testbed.step_record import StepRecord
 
-DIR, LATEST = "checkpoints", "latest"
+log = logging.getLogger(__name__)
+
+DIR, MANIFEST = "checkpoints", "manifest.json"
 # Config that may differ between a run and its resumption: how it runs, not what it computes.
 RUN_ONLY = ("steps", "warmup_steps", "checkpoint", "resume", "fault", "timeouts", "launcher", "wandb", "debug",
             "log_every", "sim", "tune", "sweep_resume")
@@ -41,12 +49,56 @@ def step_dir(job_dir: Path, step: int) -> Path:
 
 
 def latest(job_dir: Path) -> Path | None:
-    """The newest complete checkpoint of ``job_dir`` (None if there is none)."""
-    pointer = job_dir / DIR / LATEST
-    if not pointer.exists():
-        return None
-    path = job_dir / DIR / pointer.read_text().strip()
-    return path if path.is_dir() else None
+    """The newest complete checkpoint of ``job_dir`` (None if there is none); warns, once per
+    process, of each newer one that is not complete."""
+    found, problems = scan(job_dir)
+    for problem in problems:
+        if problem not in _WARNED:
+            _WARNED.add(problem)
+            log.warning("checkpoint %s; %s", problem,
+                        f"falling back to {found.name}" if found else "no earlier complete checkpoint")
+    return found
+
+
+_WARNED: set[str] = set()
+
+
+def scan(job_dir: Path) -> tuple[Path | None, list[str]]:
+    """(the newest complete checkpoint or None, why each newer one is not complete: file and reason)."""
+    problems = []
+    for path in sorted((p for p in (job_dir / DIR).glob("step*") if p.is_dir()), reverse=True):
+        problem = incomplete(path)
+        if problem is None:
+            return path, problems
+        problems.append(problem)
+    return None, problems
+
+
+def incomplete(path: Path) -> str | None:
+    """Why the checkpoint in ``path`` cannot be used, naming the file; None when it is complete."""
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return f"{path}: no {MANIFEST} (the run stopped while writing this checkpoint)"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{manifest}: unreadable ({type(exc).__name__}: {exc})"
+    if not isinstance(files, dict) or not files:
+        return f"{manifest}: lists no files"
+    for name, digest in sorted(files.items()):
+        if not (path / name).is_file():
+            return f"{path / name}: missing (listed in {MANIFEST})"
+        if _sha256(path / name) != digest:
+            return f"{path / name}: its sha256 differs from {MANIFEST}'s (truncated or corrupted since it was written)"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def checkpoint_step(path: Path) -> int:
@@ -66,13 +118,20 @@ def save(job_dir: Path, step: int, rank: int, keep: int, state: dict[str, Any]) 
     tmp = target / f"rank{rank}.pt.tmp"
     torch.save(state, tmp)
     os.replace(tmp, target / f"rank{rank}.pt")
-    dist.barrier()  # every rank's file is complete
+    dist.barrier()  # every rank's file is complete, and the parameter servers' (saved before this step ended)
     if rank == 0:
-        pointer = job_dir / DIR / LATEST
-        (job_dir / DIR / "latest.tmp").write_text(target.name)
-        os.replace(job_dir / DIR / "latest.tmp", pointer)
+        write_manifest(target)
         for old in sorted(p for p in (job_dir / DIR).glob("step*") if p.is_dir())[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def write_manifest(target: Path) -> None:
+    """The sha256 of every file of the checkpoint in ``target``: written last, atomically, it says
+    the checkpoint is complete."""
+    files = {p.name: _sha256(p) for p in sorted(target.glob("*.pt"))}
+    tmp = target / f"{MANIFEST}.tmp"
+    tmp.write_text(json.dumps({"step": checkpoint_step(target), "files": files}, indent=1))
+    os.replace(tmp, target / MANIFEST)
 
 
 def rank_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, injector_rng: random.Random) -> dict[str, Any]:
@@ -105,10 +164,14 @@ def restore_rng(state: dict[str, Any], injector_rng: random.Random) -> None:
 
 def load(resume_dir: Path, rank: int) -> tuple[int, dict[str, Any]]:
     """(the step the checkpoint was taken after, this rank's state)."""
-    path = latest(resume_dir)
+    path, _ = scan(resume_dir)  # the launcher has warned of any newer incomplete one
     if path is None:
         raise FileNotFoundError(f"resume={resume_dir}: no complete checkpoint")
-    return checkpoint_step(path), torch.load(path / f"rank{rank}.pt", weights_only=False)
+    file = path / f"rank{rank}.pt"
+    try:
+        return checkpoint_step(path), torch.load(file, weights_only=False)
+    except Exception as exc:  # whatever the unpickler raises: the file and its reason
+        raise RuntimeError(f"checkpoint {file}: cannot be read ({type(exc).__name__}: {exc})") from None
 
 
 def earlier_records(resume_dir: Path, rank: int, upto: int) -> list[StepRecord]:

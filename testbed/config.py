@@ -135,6 +135,12 @@ class CustomModelConfig:
     name: str = "custom"
     target: str = MISSING  # e.g. torchvision.models.resnet50, or my_package.models.Net
     kwargs: dict[str, Any] = field(default_factory=dict)  # its constructor's keyword arguments
+    # data: it returns logits, the testbed's cross-entropy is the loss; model: it computes its own
+    # loss from the targets it is given (testbed.models.call, docs/custom_models.md).
+    loss: str = "data"
+    loss_from: Any = None  # loss=model: the loss's tuple index, attribute or dict key in what it returns
+    logits_from: Any = None  # loss=model: the logits' (for evaluation); null: none, the loss alone is measured
+    targets_as: str = "positional"  # loss=model: the targets as its second positional argument, or this keyword
 
 
 # --- data group -------------------------------------------------------------------------------
@@ -442,6 +448,7 @@ def _validate_model(cfg: DictConfig) -> None:
     """The model reads the data: its kind matches, and one forward pass on the meta device fits."""
     from testbed.data import spec_for
     from testbed.models import check_fits, model_kind
+    from testbed.models.call import model_call
 
     try:
         spec = spec_for(cfg.data)
@@ -468,11 +475,33 @@ def _validate_model(cfg: DictConfig) -> None:
     require(not cfg.sync_bn or resolved_device(cfg) == "cuda",
              "sync_bn=true: torch's SyncBatchNorm runs on CUDA only; use buffers=broadcast|average on CPU")
     require(cfg.peak_tflops is None or cfg.peak_tflops > 0, f"peak_tflops={cfg.peak_tflops}: must be > 0 or null")
-    check_eval(cfg, heldout_of(cfg.data), metrics_of(spec))
+    if cfg.model.name == "custom":
+        _validate_model_call(cfg.model)
+    check_eval(cfg, heldout_of(cfg.data), metrics_of(spec, model_call(cfg.model).has_logits))
     try:
         check_fits(cfg.model, spec)
     except ValueError as exc:
         raise ConfigError(f"{exc}") from None
+
+
+def _validate_model_call(model: DictConfig) -> None:
+    from testbed.models.call import LOSSES
+
+    require(model.loss in LOSSES, f"model.loss={model.loss}: allowed: {'|'.join(LOSSES)} (data: the model returns logits; "
+            "model: it computes its own loss from the targets)")
+    if model.loss == "data":
+        for name, default in (("loss_from", None), ("logits_from", None), ("targets_as", "positional")):
+            require(model[name] == default, f"model.{name}={model[name]} is for a model that computes its own loss: "
+                    "add model.loss=model, or drop it")
+        return
+    require(model.loss_from is not None,
+            "model.loss=model needs model.loss_from=<tuple index | attribute | dict key> of the loss in what it returns")
+    for name in ("loss_from", "logits_from"):
+        value = model[name]
+        require(value is None or isinstance(value, int) or str(value).isidentifier(),
+                f"model.{name}={value}: give a tuple index (e.g. 1) or an attribute or dict key (e.g. loss)")
+    require(model.targets_as == "positional" or str(model.targets_as).isidentifier(),
+            f"model.targets_as={model.targets_as}: positional (the second argument), or a keyword name such as labels")
 
 
 def _validate_compress(cfg: DictConfig) -> None:
@@ -515,7 +544,8 @@ def _validate_checkpoint(cfg: DictConfig) -> None:
         return
     resumed = Path(cfg.resume)
     found = checkpoint.latest(resumed)
-    require(found is not None, f"resume={cfg.resume}: no complete checkpoint there (run it with checkpoint.every > 0)")
+    require(found is not None, f"resume={cfg.resume}: no complete checkpoint there "
+            f"({'; '.join(checkpoint.scan(resumed)[1]) or 'run it with checkpoint.every > 0'})")
     summary = resumed / "summary.json"
     require(summary.exists(), f"resume={cfg.resume}: no summary.json to compare the config with")
     differ = checkpoint.mismatches(to_plain(cfg), json.loads(summary.read_text())["config"])

@@ -14,7 +14,6 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from testbed.buffers import BufferSync
 from testbed.data import BatchSource
@@ -22,6 +21,7 @@ from testbed.eval.evaluate import Evaluator
 from testbed.eval.schedule import LrSchedule
 from testbed.faults import FaultInjector, NonFiniteLoss
 from testbed.imbalance import Injector
+from testbed.models.call import ModelCall
 from testbed.results.step_log import StepLog
 from testbed.stall import Arrivals
 from testbed.step_record import StepRecord
@@ -31,11 +31,6 @@ from testbed.timing import StepClock, real_compute_time
 from testbed.world import World
 
 log = logging.getLogger(__name__)
-
-
-def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy; language-model logits (batch, seq, vocab) are flattened over tokens."""
-    return F.cross_entropy(output.flatten(0, -2).float(), target.flatten())
 
 
 class Trainer:
@@ -49,7 +44,7 @@ class Trainer:
         steps: int,
         bf16: bool = False,
         log_every: int = 0,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy,
+        call: ModelCall | None = None,
         injector: Injector | None = None,
         loss_weight: float = 1.0,
         on_record: Callable[[StepRecord], None] | None = None,
@@ -63,7 +58,8 @@ class Trainer:
     ) -> None:
         # The model is the synchronizer's (sync.module): a wrapper such as DDP may stand in front of it.
         self.optimizer, self.sync, self.batches = optimizer, sync, batches
-        self.world, self.step_log, self.steps, self.loss_fn = world, step_log, steps, loss_fn
+        self.world, self.step_log, self.steps = world, step_log, steps
+        self.call = call or ModelCall()  # how the model is called, and where its loss is (testbed.models.call)
         self.autocast: Any = (
             torch.autocast(device_type=world.device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
         )
@@ -109,7 +105,7 @@ class Trainer:
                     clock.mark("injected")
                 with sync.micro_step(boundary):
                     with self.autocast:
-                        loss = self.loss_fn(sync.module(inputs), targets)
+                        loss = self.call(sync.module, inputs, targets).loss
                         if self.fault is not None:
                             loss = self.fault.loss(step, loss)
                     clock.mark("forward")

@@ -3,6 +3,7 @@ measured run refuses (simulator-only models, bad targets) before it spawns anyth
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -70,7 +71,8 @@ def test_custom_model_by_import_path(tmp_path: Path) -> None:
     """model=custom builds a test module's class by import path, with keyword arguments, on every rank."""
     proc = run_cli(["model=custom", "model.target=custom_models.TwoLayer", "+model.kwargs.hidden=12",
                     "+model.kwargs.in_features=768", "world_size=2", "steps=3", "warmup_steps=1",
-                    f"hydra.run.dir={tmp_path / 'job'}"], cwd=tmp_path, env={"PYTHONPATH": str(REPO / "tests")})
+                    f"hydra.run.dir={tmp_path / 'job'}"], cwd=tmp_path,
+                   env={"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])})  # this checkout's testbed too
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = read_json(tmp_path / "job" / "summary.json")
     assert summary["status"] == "ok" and summary["replicas_identical"]

@@ -3,6 +3,8 @@ equal to one that was never interrupted, and its results cover the whole run."""
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 from pathlib import Path
 
@@ -94,14 +96,66 @@ def test_checkpoints_keep_the_newest(tmp_path: Path) -> None:
     kept = sorted(p.name for p in (job / "checkpoints").glob("step*"))
     assert kept == ["step0000007", "step0000009"]  # after steps 1, 3, ..., 9; none after the last
     assert checkpoint.latest(job).name == "step0000009"
-    assert sorted(p.name for p in (job / "checkpoints" / "step0000009").iterdir()) == ["rank0.pt", "rank1.pt"]
+    assert sorted(p.name for p in (job / "checkpoints" / "step0000009").iterdir()) == ["manifest.json", "rank0.pt", "rank1.pt"]
+    manifest = json.loads((job / "checkpoints" / "step0000009" / "manifest.json").read_text())
+    assert manifest["step"] == 9 and sorted(manifest["files"]) == ["rank0.pt", "rank1.pt"]
+
+
+def test_a_corrupted_newest_checkpoint_is_named_and_resume_falls_back_to_the_one_before(tmp_path: Path) -> None:
+    setting = ["sync=ps", "sync.servers=2", "optim.momentum=0.9"]  # the shards' files are in the manifest too
+    whole = read_json(run(tmp_path, "whole", setting) / "summary.json")
+    killed = run(tmp_path, "killed", [*setting, "checkpoint.every=4", "fault=kill_rank", "fault.step=9"], expect=1)
+    newest = killed / "checkpoints" / "step0000007"
+    assert sorted(json.loads((newest / "manifest.json").read_text())["files"]) == ["ps0.pt", "ps1.pt", "rank0.pt", "rank1.pt"]
+    corrupted = newest / "ps1.pt"
+    corrupted.write_bytes(corrupted.read_bytes()[:-100])  # truncated
+    job = tmp_path / "resumed"
+    proc = run_cli([*RUN, *setting, f"resume={killed}", f"hydra.run.dir={job}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (f"checkpoint {corrupted}: its sha256 differs from manifest.json's (truncated or corrupted since it was "
+            "written); falling back to step0000003") in proc.stdout + proc.stderr
+    resumed = read_json(job / "summary.json")
+    assert resumed["status"] == "ok" and resumed["param_hash"] == whole["param_hash"]  # from step 3, still bitwise
+
+
+def test_only_checkpoints_complete_by_their_manifest_count(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # What restart (launcher.max_restarts) and resume both ask: testbed.launch.job and testbed.config.
+    def step(n: int, manifest: bool = True) -> Path:
+        path = checkpoint.step_dir(tmp_path, n)
+        path.mkdir(parents=True)
+        torch.save({"step": n}, path / "rank0.pt")
+        if manifest:
+            checkpoint.write_manifest(path)
+        return path
+
+    step(3)
+    step(7).joinpath("rank0.pt").write_bytes(b"not what was written")
+    listed = step(9)
+    (listed / "rank0.pt").unlink()
+    step(11, manifest=False)
+    with caplog.at_level(logging.WARNING):
+        assert checkpoint.latest(tmp_path) == checkpoint.step_dir(tmp_path, 3)
+    assert checkpoint.continuable(tmp_path, steps=12)
+    warned = [r.getMessage() for r in caplog.records]
+    assert warned == [
+        f"checkpoint {tmp_path}/checkpoints/step0000011: no manifest.json (the run stopped while writing this "
+        "checkpoint); falling back to step0000003",
+        f"checkpoint {listed}/rank0.pt: missing (listed in manifest.json); falling back to step0000003",
+        f"checkpoint {tmp_path}/checkpoints/step0000007/rank0.pt: its sha256 differs from manifest.json's (truncated "
+        "or corrupted since it was written); falling back to step0000003",
+    ]
+    unreadable = step(13)
+    (unreadable / "rank0.pt").write_bytes(b"not a checkpoint")
+    checkpoint.write_manifest(unreadable)  # complete by its manifest, yet no checkpoint
+    with pytest.raises(RuntimeError, match=rf"checkpoint {unreadable}/rank0.pt: cannot be read \(UnpicklingError: "):
+        checkpoint.load(tmp_path, 0)
 
 
 @pytest.mark.parametrize(
     "overrides,message",
     [
         (["resume={job}", "optim.lr=0.5"], "the config differs in optim"),
-        (["resume={empty}"], "no complete checkpoint there"),
+        (["resume={empty}"], "no complete checkpoint there (run it with checkpoint.every > 0)"),
         (["sync=ps", "sync.addresses=[127.0.0.1:1]", "checkpoint.every=2"], "checkpoint/resume with sync=ps: the servers save"),
         (["checkpoint.keep=0"], "checkpoint.keep=0: must be >= 1"),
         (["launcher.max_restarts=-1"], "launcher.max_restarts=-1: must be an integer >= 0"),

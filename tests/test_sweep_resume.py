@@ -27,9 +27,9 @@ def test_a_stopped_sweep_resumes_without_rerunning_what_is_done(tmp_path: Path) 
     proc = subprocess.Popen([sys.executable, "-m", "testbed", *SWEEP, f"hydra.sweep.dir={sweep}"], cwd=tmp_path,
                             env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and not list(sweep.glob("3_*/checkpoints/latest")):
+    while time.monotonic() < deadline and not list(sweep.glob("3_*/checkpoints/step*/manifest.json")):
         time.sleep(0.05)
-    assert list(sweep.glob("3_*/checkpoints/latest")), "the 4th job never checkpointed"
+    assert list(sweep.glob("3_*/checkpoints/step*/manifest.json")), "the 4th job never checkpointed"
     proc.send_signal(signal.SIGTERM)  # to the Hydra process, during the 4th job, after its first checkpoint
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]

@@ -27,12 +27,13 @@ from testbed import config
 from testbed.batch import per_rank_batch
 from testbed.data import build_data
 from testbed.models import build_model
+from testbed.models.call import cross_entropy
 from testbed.optim import build_optimizer
 from testbed.paths import config_dir
 from testbed.results.step_log import StepLog
 from testbed.sync import build_synchronizer
 from testbed.timing import synchronize
-from testbed.trainer import Trainer, cross_entropy
+from testbed.trainer import Trainer
 from testbed.world import World
 
 

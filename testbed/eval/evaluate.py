@@ -27,7 +27,8 @@ from testbed.batch import per_rank_batch
 from testbed.data.batches import HeldOut
 from testbed.data.spec import DataSpec
 from testbed.eval.config import HIGHER_IS_BETTER
-from testbed.eval.metrics import SUMS, batch_sums, metrics_from
+from testbed.eval.metrics import SUMS, batch_sums, loss_sums, metrics_from
+from testbed.models.call import model_call
 from testbed.world import World
 
 
@@ -69,6 +70,7 @@ class Evaluator:
         self.heldout, self.spec, self.world = heldout, spec, world
         self.autocast = autocast if autocast is not None else nullcontext()
         self.global_batch, self.train_samples = global_batch, train_samples
+        self.call = model_call(cfg.model)
         self.target = Target(cfg.target)
         self.rows: list[dict[str, Any]] = []
         self.reached: dict[str, Any] | None = None
@@ -92,9 +94,10 @@ class Evaluator:
                 mine = slice_of(self.total, self.world.rank, self.world.world_size)
                 for lo in range(mine.start, mine.stop, self.batch_size):
                     inputs, targets = self.heldout.take(range(lo, min(lo + self.batch_size, mine.stop)))
+                    targets = targets.to(device)
                     with self.autocast:
-                        logits = model(inputs.to(device))
-                    sums += batch_sums(logits, targets.to(device))
+                        loss, logits = self.call(model, inputs.to(device), targets)
+                    sums += batch_sums(logits, targets) if logits is not None else loss_sums(loss, targets)
             finally:
                 model.train(was_training)
         if self.world.world_size > 1:
@@ -108,7 +111,7 @@ class Evaluator:
             "step": step, "samples_seen": done * self.global_batch,
             "epoch": done * self.global_batch / self.train_samples if self.train_samples else None,
             "time_s": elapsed_s + t_eval, "t_eval": t_eval, "t_eval_total": self.t_eval, **which,
-            **metrics_from(sums, self.spec),
+            **metrics_from(sums, self.spec, self.call.has_logits),
         }
         self.rows.append(row)
         if self.reached is None and self.target.met(row):
@@ -126,7 +129,7 @@ class Evaluator:
 
     def summary(self) -> dict[str, Any]:
         """summary.json's ``eval`` and ``time_to_target``."""
-        metric = self.target.metric or "accuracy"
+        metric = self.target.metric or ("accuracy" if self.call.has_logits else "loss")
         scored = [r for r in self.rows if metric in r]
         better = HIGHER_IS_BETTER.get(metric, True)
         best = (max if better else min)(scored, key=lambda r: r[metric]) if scored else None

@@ -33,6 +33,7 @@ from testbed.eval.schedule import schedule_of
 from testbed.faults import FaultInjector
 from testbed.imbalance import Injector, loss_weight, shard_batches
 from testbed.models import build_model, gradient_bytes, model_heldout, objective_batches, workload_facts
+from testbed.models.call import model_call
 from testbed.netem import enter_rank_namespace
 from testbed.optim import build_optimizer
 from testbed.rank_failure import LOST_PEER_GRACE_S, lost_peer, record_failure
@@ -114,7 +115,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
         trainer = Trainer(
             optimizer, sync, batches, world, step_log, cfg.steps,
             bf16=cfg.precision == "bf16", log_every=cfg.log_every, injector=injector,
-            loss_weight=loss_weight(sizes, world.rank),
+            call=model_call(cfg.model), loss_weight=loss_weight(sizes, world.rank),
             on_record=tracker.log_step if tracker else None,
             # An injected fault strikes the first attempt only, or every restart would meet it again.
             fault=FaultInjector(cfg.fault, world.rank, cfg.seed, cfg.steps) if not restarted() else None,

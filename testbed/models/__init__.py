@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from testbed.data import DataSpec
+from testbed.models.call import example_batch, model_call
 from testbed.models.cnn import ResNet as SmallResNet
 from testbed.models.cnn1d import Cnn1d
 from testbed.models.custom import build_custom
@@ -87,9 +88,7 @@ def model_heldout(cfg: Any, heldout: Any, spec: DataSpec, seed: int) -> Any:
 
 
 def example_input(spec: DataSpec, batch: int, device: str | torch.device) -> torch.Tensor:
-    if spec.kind == "lm":
-        return torch.zeros(batch, spec.seq_len, dtype=torch.long, device=device)
-    return torch.zeros(batch, *spec.shape, device=device)
+    return example_batch(spec, batch, device)[0]
 
 
 # Below this many parameters a forward pass on the CPU takes milliseconds, while the meta device's
@@ -117,6 +116,7 @@ _FITTING: set[str] = set()
 
 def _check_fits(cfg: Any, spec: DataSpec) -> None:
     expected = (2, spec.seq_len, spec.vocab_size) if spec.kind == "lm" else (2, spec.num_classes)
+    call = model_call(cfg)
     devices = ("meta", "cpu")
     try:
         with torch.device("meta"):
@@ -130,7 +130,8 @@ def _check_fits(cfg: Any, spec: DataSpec) -> None:
         try:
             with torch.device(device):
                 model = build_model(cfg, spec)
-                out = model(example_input(spec, 2, device))
+                inputs, targets = example_batch(spec, 2, device)
+                out = model(inputs) if call.loss_from is None else call(model, inputs, targets).logits
         except ValueError:
             raise
         except Exception as exc:
@@ -138,12 +139,17 @@ def _check_fits(cfg: Any, spec: DataSpec) -> None:
                 continue
             raise ValueError(f"model={cfg.name} cannot read this data (input shape {_shape(spec)}): {exc}") from None
         break
+    if out is None:  # its own loss, and no logits
+        return
     shape = tuple(out.shape) if isinstance(out, torch.Tensor) else None
     if shape != expected:
         what = "logits (batch, seq_len, vocab_size)" if spec.kind == "lm" else "logits (batch, num_classes)"
+        where = f"model.logits_from={call.logits_from}: the model" if call.loss_from is not None else f"model={cfg.name}"
+        hint = ("; a model that computes its own loss: model.loss=model (docs/custom_models.md)"
+                if cfg.name == "custom" and call.loss_from is None and shape is None else "")
         raise ValueError(
-            f"model={cfg.name} returns {shape or type(out).__name__} for a batch of 2 with input shape {_shape(spec)}; "
-            f"the data needs {what} = {expected}"
+            f"{where} returns {type(out).__name__ if shape is None else shape} for a batch of 2 with input shape {_shape(spec)}; "
+            f"the data needs {what} = {expected}{hint}"
         )
 
 
