@@ -25,6 +25,7 @@ from hydra import compose, initialize_config_dir
 
 from testbed import config
 from testbed.batch import per_rank_batch
+from testbed.checks import enum_value, resolved_backend, resolved_device
 from testbed.data import build_data
 from testbed.models import build_model
 from testbed.models.call import cross_entropy
@@ -57,9 +58,9 @@ def measure(overrides: list[str], steps: int, repeats: int) -> dict:
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["sync=none", "world_size=1", *overrides])
     config.validate(cfg)
-    device = torch.device(config.resolved_device(cfg))
-    world = World(0, 0, 1, 1, device, config.resolved_backend(cfg), cfg.timeouts.collective_s)
-    bf16 = config.enum_value(cfg.precision) == "bf16"
+    device = torch.device(resolved_device(cfg))
+    world = World(0, 0, 1, 1, device, resolved_backend(cfg), cfg.timeouts.collective_s)
+    bf16 = enum_value(cfg.precision) == "bf16"
     torch.manual_seed(cfg.seed)
     batch_samples = per_rank_batch(cfg)
 

@@ -27,6 +27,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from testbed import config
+from testbed.checks import resolved_backend, resolved_device
 from testbed.data import build_data
 from testbed.imbalance import shard_batches
 from testbed.launch.spawn import spawn_world
@@ -65,7 +66,7 @@ def bench_rank(plain: dict[str, dict[str, Any]], repeats: int, out_dir: str) -> 
     """Run in every rank: ``repeats`` pairs of runs; rank 0 returns the step times."""
     cfgs = {name: OmegaConf.create(c) for name, c in plain.items()}
     first = cfgs[VARIANTS[0]]
-    world = init_world(config.resolved_device(first), config.resolved_backend(first), first.timeouts.collective_s)
+    world = init_world(resolved_device(first), resolved_backend(first), first.timeouts.collective_s)
     torch.set_num_threads(first.threads_per_rank or max(1, (os.cpu_count() or 1) // world.local_world_size))
     sizes = shard_batches(first)
     step_s: dict[str, list[float]] = {name: [] for name in VARIANTS}

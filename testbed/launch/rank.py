@@ -24,8 +24,9 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from testbed import checkpoint, config
+from testbed import checkpoint
 from testbed.buffers import BufferSync
+from testbed.checks import resolved_backend, resolved_device
 from testbed.data import build_data, build_heldout, data_kind, heldout_of
 from testbed.eval.config import evaluates
 from testbed.eval.evaluate import Evaluator
@@ -75,7 +76,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
         enter_rank_namespace()  # network=emulated: before any socket exists
         spec = spec_of(cfg.sync.name)
         os.environ.update(spec.rank_env(cfg))  # before the process group: NCCL reads its settings there
-        world = init_world(config.resolved_device(cfg), config.resolved_backend(cfg), cfg.timeouts.collective_s,
+        world = init_world(resolved_device(cfg), resolved_backend(cfg), cfg.timeouts.collective_s,
                            cfg.debug)
         _configure_logging(world.rank)
         log.info("rank %d/%d pid %d device %s backend %s", world.rank, world.world_size, os.getpid(), world.device,
