@@ -23,6 +23,7 @@ from testbed.checks import ConfigError, enum_value, require, resolved_device
 from testbed.compress import CODECS
 from testbed.data.kinds import DATA_KINDS, data_kind, heldout_of
 from testbed.data.loader import WORKER_STARTS
+from testbed.data.schema import DataConfig
 from testbed.eval.config import EvalConfig, TargetConfig, check_eval
 from testbed.eval.metrics import metrics_of
 from testbed.eval.schedule import check_schedule
@@ -51,11 +52,6 @@ class Backend(enum.Enum):
 class Precision(enum.Enum):
     fp32 = "fp32"
     bf16 = "bf16"
-
-
-class Scaling(enum.Enum):
-    weak = "weak"  # data.batch_size is per worker; the global batch grows with world_size
-    strong = "strong"  # data.batch_size is global; each worker gets batch_size / world_size
 
 
 # --- model group ------------------------------------------------------------------------------
@@ -101,6 +97,16 @@ class ResNetConfig:
 
 
 @dataclass
+class ResNet18Config(ResNetConfig):
+    name: str = "resnet18"
+
+
+@dataclass
+class ResNet101Config(ResNetConfig):
+    name: str = "resnet101"
+
+
+@dataclass
 class VggConfig:
     """torchvision's VGG-16 (configuration D, no batch norm; testbed.models.vgg)."""
 
@@ -118,14 +124,20 @@ class LanguageModelConfig:
     50257 for GPT-2 and 30522 for BERT give the reference totals).
     """
 
-    name: str = "gpt2"  # gpt2 (causal LM) | bert (masked LM)
+    name: str = "gpt2"  # gpt2 (causal LM) | bert (masked LM, BertConfig)
     n_layer: int = 12
     d_model: int = 768
     n_head: int = 12
-    n_positions: int = 1024  # position embeddings (BERT: 512); data.seq_len must not exceed it
+    n_positions: int = 1024  # position embeddings; data.seq_len must not exceed it
     dropout: float = 0.1
     mask_prob: float = 0.15  # bert: share of tokens masked (of these 80 % [MASK], 10 % random, 10 % kept)
     mask_token: int = 103  # bert: the [MASK] token id (BERT's vocabulary)
+
+
+@dataclass
+class BertConfig(LanguageModelConfig):
+    name: str = "bert"
+    n_positions: int = 512  # BERT-base's
 
 
 @dataclass
@@ -141,38 +153,6 @@ class CustomModelConfig:
     loss_from: Any = None  # loss=model: the loss's tuple index, attribute or dict key in what it returns
     logits_from: Any = None  # loss=model: the logits' (for evaluation); null: none, the loss alone is measured
     targets_as: str = "positional"  # loss=model: the targets as its second positional argument, or this keyword
-
-
-# --- data group -------------------------------------------------------------------------------
-
-
-@dataclass
-class DataConfig:
-    name: str = MISSING
-    batch_size: int = 32
-    scaling: Scaling = Scaling.weak
-    num_samples: int = 4096  # synthetic data sets and mnist1d are materialised once per rank
-    val_samples: int = 1024  # synthetic, lm: held-out samples drawn from the same teacher or chain
-    shape: list[int] = field(default_factory=lambda: [3, 16, 16])  # classification inputs
-    num_classes: int = 10
-    vocab_size: int = 256  # language-model data (tokens: the tokenizer's vocabulary)
-    seq_len: int = 64
-    image_size: int = 224  # image_folder, synthetic_images: inputs are 3 x image_size x image_size
-    root: str | None = None  # image_folder: one folder per class (the ImageNet layout)
-    val_root: str | None = None  # image_folder: the held-out images (ImageNet's val/), the same classes
-    path: str | None = None  # tokens: a flat binary token file (nanoGPT's train.bin)
-    val_path: str | None = None  # tokens: the held-out token file (nanoGPT's val.bin)
-    dtype: str = "uint16"  # tokens: uint16 | uint32
-    # The input pipeline of file data sets (torch.utils.data.DataLoader, testbed.data.loader).
-    num_workers: int = 0  # decoding processes per rank; 0: in the rank's own process
-    pin_memory: bool = False  # page-locked batches (CUDA): faster, asynchronous host-to-device copies
-    persistent_workers: bool = True  # workers live across epochs (num_workers > 0)
-    prefetch_factor: int = 2  # batches each worker loads ahead (num_workers > 0)
-    # How workers start: forkserver or spawn, never fork, whose children would inherit gRPC's
-    # threads (the parameter server's channels) in an undefined state.
-    worker_start: str = "forkserver"
-    shuffle: bool = True  # a new order every epoch (DistributedSampler's set_epoch)
-    drop_last: bool = True  # drop the epoch's last partial global batch; false: pad it by wrapping around
 
 
 BUFFER_POLICIES = ("broadcast", "average", "local")
@@ -315,15 +295,15 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
         "cnn": CnnConfig,
         "cnn1d": Cnn1dConfig,
         "transformer": TransformerConfig,
-        "resnet18": ResNetConfig,
+        "resnet18": ResNet18Config,
         "resnet50": ResNetConfig,
-        "resnet101": ResNetConfig,
+        "resnet101": ResNet101Config,
         "vgg16": VggConfig,
         "gpt2": LanguageModelConfig,
-        "bert": LanguageModelConfig,
+        "bert": BertConfig,
         "custom": CustomModelConfig,
     },
-    "data": {name: DataConfig for name in DATA_KINDS},
+    "data": {name: kind.schema for name, kind in DATA_KINDS.items()},
     "optim": OPTIM_SCHEMAS,
     "launcher": {"local": LocalLauncherConfig},
     **{group: {name: option.schema for name, option in opts.items()} for group, opts in OPTION_GROUPS.items()},

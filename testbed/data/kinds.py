@@ -22,11 +22,19 @@ from testbed.checks import ConfigError, require
 from testbed.data import datasets
 from testbed.data.batches import BatchSource, DatasetHeldOut, HeldOut, RankBatches, TensorHeldOut
 from testbed.data.loader import TOKEN_DTYPES, ImageFolder, LoaderBatches, SyntheticImageBatches, TokenFile
+from testbed.data.schema import (
+    DataConfig,
+    LmDataConfig,
+    Mnist1dDataConfig,
+    SyntheticImagesDataConfig,
+    TokensDataConfig,
+)
 from testbed.data.spec import DataSpec
 
 
 @dataclass(frozen=True)
 class DataKind:
+    schema: type[DataConfig]  # its fields and their defaults (testbed.data.schema)
     reads: str  # what it feeds a model: "classification" (inputs and labels) | "lm" (token sequences)
     spec: Callable[[Any], DataSpec]
     # This rank's training batches: (cfg, sizes (every rank's samples per step), rank, seed, device).
@@ -133,19 +141,19 @@ def _lm_spec(cfg: Any) -> DataSpec:
 
 DATA_KINDS: dict[str, DataKind] = {
     "synthetic": DataKind(
-        "classification", lambda cfg: DataSpec("classification", tuple(cfg.shape), num_classes=cfg.num_classes),
+        DataConfig, "classification", lambda cfg: DataSpec("classification", tuple(cfg.shape), num_classes=cfg.num_classes),
         _in_memory_batches, _in_memory_heldout, check=_check_counts, train_size=lambda cfg: int(cfg.num_samples)),
     "digits": DataKind(
-        "classification", lambda cfg: DataSpec("classification", (1, 8, 8), num_classes=10),
+        DataConfig, "classification", lambda cfg: DataSpec("classification", (1, 8, 8), num_classes=10),
         _in_memory_batches, _in_memory_heldout, train_size=lambda cfg: len(tensors(cfg, 0)[0])),
     "mnist1d": DataKind(
-        "classification", lambda cfg: DataSpec("classification", (1, 40), num_classes=10),
+        Mnist1dDataConfig, "classification", lambda cfg: DataSpec("classification", (1, 40), num_classes=10),
         _in_memory_batches, _in_memory_heldout, check=_check_mnist1d,
         train_size=lambda cfg: int(cfg.num_samples) // 10 * 10 * 4 // 5),
-    "lm": DataKind("lm", _lm_spec, _in_memory_batches, _in_memory_heldout, check=_check_counts,
+    "lm": DataKind(LmDataConfig, "lm", _lm_spec, _in_memory_batches, _in_memory_heldout, check=_check_counts,
                    train_size=lambda cfg: int(cfg.num_samples)),
     "synthetic_images": DataKind(
-        "classification",
+        SyntheticImagesDataConfig, "classification",
         lambda cfg: DataSpec("classification", (3, cfg.image_size, cfg.image_size), num_classes=cfg.num_classes),
         lambda cfg, sizes, rank, seed, device: SyntheticImageBatches(
             (3, cfg.image_size, cfg.image_size), cfg.num_classes, sizes[rank], rank, seed, device),
@@ -153,7 +161,7 @@ DATA_KINDS: dict[str, DataKind] = {
         check=lambda cfg: require(cfg.image_size >= 1 and cfg.num_classes >= 1,
                                   "data.image_size and data.num_classes: must be >= 1")),
     "image_folder": DataKind(
-        "classification", _image_folder_spec,
+        DataConfig, "classification", _image_folder_spec,
         lambda cfg, sizes, rank, seed, device: LoaderBatches(
             ImageFolder(cfg.root, cfg.image_size), sizes, rank, seed, **_pipeline(cfg)),
         lambda cfg, seed: DatasetHeldOut(ImageFolder(cfg.val_root, cfg.image_size)),
@@ -161,7 +169,7 @@ DATA_KINDS: dict[str, DataKind] = {
         heldout_from="val_root", loader=True,
         check=_check_image_folder),
     "tokens": DataKind(
-        "lm", _lm_spec,
+        TokensDataConfig, "lm", _lm_spec,
         lambda cfg, sizes, rank, seed, device: LoaderBatches(
             TokenFile(cfg.path, cfg.seq_len, cfg.dtype), sizes, rank, seed, **_pipeline(cfg)),
         lambda cfg, seed: DatasetHeldOut(TokenFile(cfg.val_path, cfg.seq_len, cfg.dtype)),
