@@ -24,12 +24,26 @@ from testbed.models.custom import build_custom
 from testbed.models.language import MaskedHeldOut, MaskedTokens, build_bert, build_gpt2, flops_per_token
 from testbed.models.mlp import Mlp
 from testbed.models.resnet import resnet
+from testbed.models.schema import (
+    BertConfig,
+    Cnn1dConfig,
+    CnnConfig,
+    CustomModelConfig,
+    LanguageModelConfig,
+    MlpConfig,
+    ResNet18Config,
+    ResNet101Config,
+    ResNetConfig,
+    TransformerConfig,
+    VggConfig,
+)
 from testbed.models.transformer import Gpt
 from testbed.models.vgg import vgg16
 
 
 @dataclass(frozen=True)
 class ModelKind:
+    schema: type  # its fields and their defaults (testbed.models.schema)
     build: Callable[[Any, DataSpec], nn.Module]
     reads: str | None  # the data kind it takes ("classification" | "lm"); None: any, judged by its output
     language: bool = False  # a language model: throughput in tokens, MFU from flops_per_token
@@ -48,20 +62,20 @@ def _resnet(depth: int) -> Callable[[Any, DataSpec], nn.Module]:
 
 
 MODELS: dict[str, ModelKind] = {
-    "mlp": ModelKind(lambda cfg, spec: Mlp(spec.input_numel, spec.num_classes, cfg.hidden, cfg.depth), "classification"),
-    "cnn": ModelKind(lambda cfg, spec: SmallResNet(spec.shape[0], spec.num_classes, cfg.width, list(cfg.blocks)),
+    "mlp": ModelKind(MlpConfig, lambda cfg, spec: Mlp(spec.input_numel, spec.num_classes, cfg.hidden, cfg.depth), "classification"),
+    "cnn": ModelKind(CnnConfig, lambda cfg, spec: SmallResNet(spec.shape[0], spec.num_classes, cfg.width, list(cfg.blocks)),
                      "classification"),
-    "cnn1d": ModelKind(lambda cfg, spec: Cnn1d(spec.input_numel, spec.num_classes, cfg.channels), "classification"),
-    "transformer": ModelKind(lambda cfg, spec: Gpt(spec.vocab_size, spec.seq_len, cfg.d_model, cfg.n_layer, cfg.n_head),
+    "cnn1d": ModelKind(Cnn1dConfig, lambda cfg, spec: Cnn1d(spec.input_numel, spec.num_classes, cfg.channels), "classification"),
+    "transformer": ModelKind(TransformerConfig, lambda cfg, spec: Gpt(spec.vocab_size, spec.seq_len, cfg.d_model, cfg.n_layer, cfg.n_head),
                              "lm", language=True),
-    "resnet18": ModelKind(_resnet(18), "classification"),
-    "resnet50": ModelKind(_resnet(50), "classification"),
-    "resnet101": ModelKind(_resnet(101), "classification"),
-    "vgg16": ModelKind(lambda cfg, spec: vgg16(spec.num_classes, spec.shape[0], cfg.width, cfg.hidden, cfg.dropout),
+    "resnet18": ModelKind(ResNet18Config, _resnet(18), "classification"),
+    "resnet50": ModelKind(ResNetConfig, _resnet(50), "classification"),
+    "resnet101": ModelKind(ResNet101Config, _resnet(101), "classification"),
+    "vgg16": ModelKind(VggConfig, lambda cfg, spec: vgg16(spec.num_classes, spec.shape[0], cfg.width, cfg.hidden, cfg.dropout),
                        "classification"),
-    "gpt2": ModelKind(build_gpt2, "lm", language=True),
-    "bert": ModelKind(build_bert, "lm", language=True, objective=MaskedTokens, heldout_objective=MaskedHeldOut),
-    "custom": ModelKind(build_custom, None),
+    "gpt2": ModelKind(LanguageModelConfig, build_gpt2, "lm", language=True),
+    "bert": ModelKind(BertConfig, build_bert, "lm", language=True, objective=MaskedTokens, heldout_objective=MaskedHeldOut),
+    "custom": ModelKind(CustomModelConfig, build_custom, None),
 }
 
 
