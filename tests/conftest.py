@@ -8,15 +8,18 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from omegaconf import DictConfig, OmegaConf
 
 from testbed.ps.client import PsClient
 from testbed.ps.launch import LocalServers
 from testbed.step_record import FIELDS, StepRecord
+from testbed.sync import SYNCHRONIZERS
 
 REPO = Path(__file__).resolve().parent.parent
 # Parameter-server shards for the tests: 1 KiB chunks, plain SGD with an exact (power-of-two) step.
@@ -104,3 +107,10 @@ def assert_nothing_left(job: Path) -> None:
     if shutil.which("ip"):
         netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         assert not re.search(rf"tb{os.getpid()}n", netns)  # none of this test process's launchers
+
+
+def sync_config(name: str, **settings: Any) -> DictConfig:
+    """sync=``name`` with those of ``settings`` its schema has: one list of settings serves several
+    synchronizers (chunk_kb for the tree, ranks_per_node for hierarchical)."""
+    known = {f.name for f in fields(SYNCHRONIZERS[name].schema)}
+    return OmegaConf.create({"name": name, **{k: v for k, v in settings.items() if k in known}})

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import read_json, read_jsonl, run_cli
+from conftest import read_json, read_jsonl, run_cli, sync_config
 from omegaconf import OmegaConf
 from torch import nn
 
@@ -180,8 +180,8 @@ def codec_world(syncs: list[str], runs: dict[str, dict[str, Any]], steps: int) -
             compress = codec_cfg(name, **changes) if name != "none" else None
             model = Net()
             optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-            cfg = OmegaConf.create({"name": sync_name, "bucket_mb": 0.0005, "overlap": overlap, "chunk_kb": 1,
-                                    "double": True, "ranks_per_node": 1})  # two buckets; two nodes of one
+            # Two buckets; two nodes of one.
+            cfg = sync_config(sync_name, bucket_mb=0.0005, overlap=overlap, chunk_kb=1, double=True, ranks_per_node=1)
             sync = build_synchronizer(cfg) if compress is None else \
                 type(build_synchronizer(cfg))(cfg, compress, seed=5)
             sync.setup(model, optimizer, world)

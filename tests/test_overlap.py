@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import read_json, run_cli
-from omegaconf import OmegaConf
+from conftest import read_json, run_cli, sync_config
 from torch import nn
 
 from testbed.launch.spawn import spawn_world
@@ -61,8 +60,7 @@ def overlap_rank(names: list[str]) -> dict[str, float]:
     errors = {}
     for name in names:
         model = Branchy()
-        cfg = OmegaConf.create({"name": name, "accumulate": 2, "bucket_mb": 0, "overlap": True, "chunk_kb": 512,
-                                "double": True})
+        cfg = sync_config(name, accumulate=2, bucket_mb=0, overlap=True, chunk_kb=512, double=True)
         sync = build_synchronizer(cfg)
         sync.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), world)
         window(model, rank, sync)

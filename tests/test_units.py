@@ -49,7 +49,7 @@ def data(samples: int = 64) -> RankBatches:
 
 
 def sync_cfg(name: str, **extra: object) -> object:
-    return OmegaConf.create({"name": name, "accumulate": 1, "bucket_mb": None, "overlap": False, **extra})
+    return OmegaConf.create({"name": name, **extra})  # the rest: the schema's defaults
 
 
 def train(world: World, tmp_path: Path, name: str, steps: int, **extra: object) -> tuple[nn.Module, list[StepRecord]]:

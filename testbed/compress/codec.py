@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
+from testbed.schema import typed
 from testbed.timing import device_seconds
 
 
@@ -100,9 +101,12 @@ class Codec(ABC):
 
     def __init__(self, cfg: Any, numel: int, dtype: torch.dtype, device: torch.device, shapes: list[torch.Size],
                  index: int, rank: int, seed: int) -> None:
-        self.cfg, self.numel, self.dtype, self.device = cfg, numel, dtype, device
+        from testbed.compress import codec_spec  # the registry imports this module
+
+        self.cfg = typed(codec_spec(cfg.name).schema, cfg)  # its schema's dataclass
+        self.numel, self.dtype, self.device = numel, dtype, device
         self.shapes, self.index, self.rank, self.seed = shapes, index, rank, seed
-        self.error_feedback = bool(cfg.get("error_feedback", False))
+        self.error_feedback = bool(self.cfg.error_feedback)
         self.residual = torch.zeros(numel, dtype=dtype, device=device) if self.error_feedback else None
         self.steps = 0  # reductions so far: the same on every rank
 

@@ -79,7 +79,7 @@ class RandomK(PayloadCodec):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.k = _k(self.cfg, self.numel)
-        self.shared_seed = self.seed if self.cfg.get("seed") is None else int(self.cfg.seed)
+        self.shared_seed = self.seed if self.cfg.seed is None else int(self.cfg.seed)
         self.values = torch.empty(self.k, dtype=self.dtype, device=self.device)
         self.chosen = torch.empty(self.k, dtype=torch.long, device=self.device)
 

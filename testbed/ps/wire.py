@@ -65,7 +65,8 @@ def open_channel(address: str, ca: str | None = None) -> grpc.Channel:
 
 def tls_of(sync_cfg: Any) -> tuple[str | None, str | None, str | None]:
     """(certificate, key, certificate authority) of a sync config; all None without TLS."""
-    return sync_cfg.get("tls_cert") or None, sync_cfg.get("tls_key") or None, sync_cfg.get("tls_ca") or None
+    return (getattr(sync_cfg, "tls_cert", None) or None, getattr(sync_cfg, "tls_key", None) or None,
+            getattr(sync_cfg, "tls_ca", None) or None)
 
 
 def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:

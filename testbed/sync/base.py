@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from testbed.schema import typed
 from testbed.world import World
 
 
@@ -52,10 +53,14 @@ class Synchronizer(ABC):
     steps_optimizer: ClassVar[bool] = False
 
     def __init__(self, cfg: Any, compress: Any = None, seed: int = 0) -> None:
-        """``cfg``: the sync config; ``compress``: the codec's (testbed.compress), for the
-        synchronizers that carry one; ``seed``: the run's (shared codec draws)."""
-        self.cfg, self.compress, self.seed = cfg, compress, seed
-        self.accumulate = int(cfg.get("accumulate", 1))
+        """``cfg``: the sync config, kept as its schema's dataclass (a DictConfig or a mapping is
+        converted); ``compress``: the codec's (testbed.compress), for the synchronizers that carry
+        one; ``seed``: the run's (shared codec draws)."""
+        from testbed.sync import spec_of  # the registry imports this module
+
+        self.cfg = typed(spec_of(cfg.name).schema, cfg)
+        self.compress, self.seed = compress, seed
+        self.accumulate = int(self.cfg.accumulate)
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> None:
         self.model, self.optimizer, self.world = model, optimizer, world

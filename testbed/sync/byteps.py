@@ -101,7 +101,7 @@ class BytePsSync(Synchronizer):
         from testbed.ps.wire import token_from_env
 
         super().setup(model, optimizer, world)
-        per_node = node_size(self.cfg.get("ranks_per_node"), world.world_size, world.local_world_size, "sync=byteps")
+        per_node = node_size(self.cfg.ranks_per_node, world.world_size, world.local_world_size, "sync=byteps")
         nodes = world.world_size // per_node
         self.layout = Layout(nodes, per_node, int(self.cfg.servers) or nodes)
         node, local = divmod(world.rank, per_node)

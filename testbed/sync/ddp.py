@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -65,11 +65,11 @@ class DdpSync(Synchronizer):
         )
         n = world.world_size
         self.powersgd = None
-        hook = self.cfg.get("hook", "none")
+        hook = self.cfg.hook
         if hook in ("fp16", "bf16"):
             self.module.register_comm_hook(None, getattr(default_hooks, f"{hook}_compress_hook"))
         elif hook == "powersgd":
-            self.powersgd = powerSGD_hook.PowerSGDState(process_group=None, **OmegaConf.to_container(self.cfg.powersgd))
+            self.powersgd = powerSGD_hook.PowerSGDState(process_group=None, **asdict(self.cfg.powersgd))
             self.module.register_comm_hook(self.powersgd, powerSGD_hook.powerSGD_hook)
         self.raw_bytes = gradient_bytes(model)
         wire = self.raw_bytes // 2 if hook in ("fp16", "bf16") else self.raw_bytes
@@ -99,7 +99,7 @@ class DdpSync(Synchronizer):
         self.optimizer.zero_grad(set_to_none=False)
 
     def describe(self) -> dict[str, Any]:
-        return {"bucket_mb": float(self.cfg.bucket_mb), "backend": self.world.backend, "hook": self.cfg.get("hook", "none")}
+        return {"bucket_mb": float(self.cfg.bucket_mb), "backend": self.world.backend, "hook": self.cfg.hook}
 
     def close(self) -> None:
         # Drop DDP while the process group is still registered. Its reducer holds the group; were

@@ -102,7 +102,7 @@ class FlatGradSynchronizer(Synchronizer):
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> None:
         super().setup(model, optimizer, world)
         params = [p for p in model.parameters() if p.requires_grad]
-        cap = self.cfg.get("bucket_mb")
+        cap = self.cfg.bucket_mb
         cap_bytes = None if cap is None else float(cap) * 2**20
         self.buffers: list[torch.Tensor] = []
         self.buckets: list[Bucket] = []
@@ -126,7 +126,7 @@ class FlatGradSynchronizer(Synchronizer):
         codecs = [build_codec(self.compress, b.view, [p.shape for p in b.params], i, world.rank, self.seed)
                   for i, b in enumerate(self.buckets)]
         self.codecs: list[Codec] | None = codecs if any(c is not None for c in codecs) else None  # type: ignore[assignment]
-        self.overlap = bool(self.cfg.get("overlap", False)) and world.world_size > 1
+        self.overlap = bool(self.cfg.overlap) and world.world_size > 1
         if self.overlap:
             self._comm = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comm")
             bucket_of = {id(p): [i] for i, b in enumerate(self.buckets) for p in b.params}
@@ -226,7 +226,7 @@ class FlatGradSynchronizer(Synchronizer):
         facts = {
             "buffer_bytes": sum(b.numel() * b.element_size() for b in self.buffers),
             "buckets": len(self.buckets),
-            "bucket_mb": self.cfg.get("bucket_mb"),
+            "bucket_mb": self.cfg.bucket_mb,
             "overlap": self.overlap,
         }
         if self.codecs is not None:

@@ -34,7 +34,7 @@ class HierarchicalSyncConfig(BucketedSyncConfig):
 class HierarchicalAllReduce(FlatGradSynchronizer):
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> None:
         super().setup(model, optimizer, world)
-        self.per_node = per_node = node_size(self.cfg.get("ranks_per_node"), world.world_size, world.local_world_size,
+        self.per_node = per_node = node_size(self.cfg.ranks_per_node, world.world_size, world.local_world_size,
                                              "sync=hierarchical")
         nodes, across = node_groups(world.world_size, per_node)
         # Every rank creates every group, in the same order (torch.distributed's rule).
@@ -45,12 +45,12 @@ class HierarchicalAllReduce(FlatGradSynchronizer):
         return next(g for g, ranks in zip(groups, members) if self.world.rank in ranks)
 
     def allreduce_(self, flat: torch.Tensor, scratch: torch.Tensor | None) -> tuple[int, int]:
-        traffic = hierarchical_allreduce_(flat, self.intra, self.inter, self.cfg.get("inter", "ring"))
+        traffic = hierarchical_allreduce_(flat, self.intra, self.inter, self.cfg.inter)
         return traffic.sent, traffic.recv
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "ranks_per_node": self.per_node, "nodes": self.world.world_size // self.per_node,
-                "inter": self.cfg.get("inter", "ring")}
+                "inter": self.cfg.inter}
 
 
 def _across(cfg: Any) -> Callable[[int, float], Cost]:
