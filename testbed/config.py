@@ -21,6 +21,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from testbed.checks import ConfigError, enum_value, require, resolved_device
 from testbed.compress import CODECS
+from testbed.data import spec_for
 from testbed.data.kinds import DATA_KINDS, data_kind, heldout_of
 from testbed.data.loader import WORKER_STARTS
 from testbed.data.schema import DataConfig
@@ -29,13 +30,16 @@ from testbed.eval.metrics import metrics_of
 from testbed.eval.schedule import check_schedule
 from testbed.faults import FAULTS
 from testbed.imbalance import IMBALANCES
-from testbed.models import MODELS
+from testbed.models import MODELS, check_fits, model_kind
+from testbed.models.call import check_model_call, model_call
 from testbed.netem.links import MAX_ENDPOINTS
 from testbed.netem.options import NETWORKS
 from testbed.optim import SCHEMAS as OPTIM_SCHEMAS
 from testbed.optim import check_optimizer
 from testbed.paths import config_dir
+from testbed.sim.config import SimConfig
 from testbed.sync import SYNCHRONIZERS
+from testbed.tune.config import TuneConfig
 
 
 class Device(enum.Enum):
@@ -96,46 +100,6 @@ class TimeoutsConfig:
     collective_s: float = 300.0  # every collective and point-to-point wait (process-group timeout)
     rendezvous_s: float = 120.0  # ranks joining the world
     stall_warn_s: float = 60.0  # rank 0 warns, naming them, while ranks are this late to a step
-
-
-@dataclass
-class SimConfig:
-    """How ``python -m testbed.sim`` predicts a run of this config (real runs ignore it)."""
-
-    # Link fits from `python -m testbed.sim.calibrate`; null: a nominal link of `bandwidth` and `alpha_us`.
-    calibration: str | None = None
-    link: str | None = None  # the calibration's link; null: network.bandwidth when emulated, else loopback
-    bandwidth: str | None = None  # nominal rate (e.g. 25gbit); null: network.bandwidth when emulated
-    alpha_us: float = 50.0  # nominal per-message latency
-    # Two levels (network.nodes): the nominal rate inside a node; null: network.intra_bandwidth.
-    intra_bandwidth: str | None = None
-    # Compute: the step log of a world_size 1 run of the same model and batch, or explicit times.
-    compute_from: str | None = None
-    compute_ms_per_sample: float | None = None  # forward + backward
-    backward_share: float = 0.67  # of forward + backward (without compute_from)
-    optimizer_ms: float = 0.0
-    gradient_mb: float | None = None  # a model the testbed does not build (paper-scale presets)
-    cores: int | None = None  # ranks share this many cores (one machine); null: each has its own
-    tensors: int = 100  # with gradient_mb: tensors the gradient is split into, for buckets
-    # A codec's encode and decode times (the calibration's, measured on the machine that ran
-    # python -m testbed.bench.codecs) times this: 0 costs the wire alone.
-    codec_time_scale: float = 1.0
-
-
-@dataclass
-class TuneConfig:
-    """How ``python -m testbed.tune`` searches (training runs ignore it): testbed.tune."""
-
-    objective: str = "throughput"  # throughput | time_to_target (of the measured candidates)
-    # The knobs searched: a list of keys (each with its default candidates, testbed.tune.space) or
-    # a mapping of keys to their candidates: {sync:[ring,ps],sync.bucket_mb:[1,25]}; null: [sync,
-    # sync.bucket_mb, sync.overlap].
-    space: Any = None
-    budget: int = 6  # real runs: the best predicted candidates, `repeats` runs each
-    repeats: int = 2
-    screen_max: int = 200  # simulator predictions; a larger space is searched with Optuna's TPE
-    calibration: str = "docs/sim/calibration.json"  # link fits; a link they lack is benchmarked first
-    compute_from: str | None = None  # a world_size=1 job of this setting; null: one is run first
 
 
 @dataclass
@@ -314,10 +278,6 @@ def _validate_data(cfg: DictConfig) -> None:
 
 def _validate_model(cfg: DictConfig) -> None:
     """The model reads the data: its kind matches, and one forward pass on the meta device fits."""
-    from testbed.data import spec_for
-    from testbed.models import check_fits, model_kind
-    from testbed.models.call import model_call
-
     try:
         spec = spec_for(cfg.data)
     except ValueError as exc:
@@ -344,32 +304,12 @@ def _validate_model(cfg: DictConfig) -> None:
              "sync_bn=true: torch's SyncBatchNorm runs on CUDA only; use buffers=broadcast|average on CPU")
     require(cfg.peak_tflops is None or cfg.peak_tflops > 0, f"peak_tflops={cfg.peak_tflops}: must be > 0 or null")
     if cfg.model.name == "custom":
-        _validate_model_call(cfg.model)
+        check_model_call(cfg.model)
     check_eval(cfg, heldout_of(cfg.data), metrics_of(spec, model_call(cfg.model).has_logits))
     try:
         check_fits(cfg.model, spec)
     except ValueError as exc:
         raise ConfigError(f"{exc}") from None
-
-
-def _validate_model_call(model: DictConfig) -> None:
-    from testbed.models.call import LOSSES
-
-    require(model.loss in LOSSES, f"model.loss={model.loss}: allowed: {'|'.join(LOSSES)} (data: the model returns logits; "
-            "model: it computes its own loss from the targets)")
-    if model.loss == "data":
-        for name, default in (("loss_from", None), ("logits_from", None), ("targets_as", "positional")):
-            require(model[name] == default, f"model.{name}={model[name]} is for a model that computes its own loss: "
-                    "add model.loss=model, or drop it")
-        return
-    require(model.loss_from is not None,
-            "model.loss=model needs model.loss_from=<tuple index | attribute | dict key> of the loss in what it returns")
-    for name in ("loss_from", "logits_from"):
-        value = model[name]
-        require(value is None or isinstance(value, int) or str(value).isidentifier(),
-                f"model.{name}={value}: give a tuple index (e.g. 1) or an attribute or dict key (e.g. loss)")
-    require(model.targets_as == "positional" or str(model.targets_as).isidentifier(),
-            f"model.targets_as={model.targets_as}: positional (the second argument), or a keyword name such as labels")
 
 
 def _validate_compress(cfg: DictConfig) -> None:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from testbed.checks import require
 from testbed.data.spec import DataSpec
 
 LOSSES = ("data", "model")
@@ -87,3 +88,22 @@ def _pick(out: Any, key: int | str, field: str) -> Any:
         return getattr(out, key)
     raise ValueError(f"{field}={key}: the model returns a {type(out).__name__} without it; give a tuple index, an "
                      "attribute or a dict key of what it returns")
+
+
+def check_model_call(model: Any) -> None:
+    """model=custom's loss settings (``model.loss``, ``loss_from``, ``logits_from``, ``targets_as``)."""
+    require(model.loss in LOSSES, f"model.loss={model.loss}: allowed: {'|'.join(LOSSES)} (data: the model returns logits; "
+            "model: it computes its own loss from the targets)")
+    if model.loss == "data":
+        for name, default in (("loss_from", None), ("logits_from", None), ("targets_as", "positional")):
+            require(model[name] == default, f"model.{name}={model[name]} is for a model that computes its own loss: "
+                    "add model.loss=model, or drop it")
+        return
+    require(model.loss_from is not None,
+            "model.loss=model needs model.loss_from=<tuple index | attribute | dict key> of the loss in what it returns")
+    for name in ("loss_from", "logits_from"):
+        value = model[name]
+        require(value is None or isinstance(value, int) or str(value).isidentifier(),
+                f"model.{name}={value}: give a tuple index (e.g. 1) or an attribute or dict key (e.g. loss)")
+    require(model.targets_as == "positional" or str(model.targets_as).isidentifier(),
+            f"model.targets_as={model.targets_as}: positional (the second argument), or a keyword name such as labels")
