@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -52,6 +52,9 @@ class Option:
     check: Callable[[Any], None] = lambda cfg: None
 
 
-def options(*specs: Option) -> dict[str, Option]:
+OptionT = TypeVar("OptionT", bound=Option)
+
+
+def options(*specs: OptionT) -> dict[str, OptionT]:
     """A group's options by name, in the order given."""
     return {spec.name: spec for spec in specs}

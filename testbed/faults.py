@@ -14,6 +14,7 @@ import random
 import signal
 import subprocess
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 from testbed.checks import Option, options, require
 from testbed.rank_failure import RunFailure
 from testbed.results.step_log import flush_open_logs
+from testbed.schema import typed
 
 # The launcher passes the parameter servers' pids to the ranks for kill_ps (a JSON list).
 PS_PIDS_ENV = "TESTBED_PS_PIDS"
@@ -79,30 +81,66 @@ def _check_link_down(cfg: Any) -> None:
     require(cfg.fault.duration_s > 0, f"fault.duration_s={cfg.fault.duration_s}: must be > 0")
 
 
-# One failure, injected at the start of a step (`step`, or drawn from the seed in [1, steps) when
-# null), to check that the run fails cleanly: recorded, named, nothing left behind. Which shards
-# kill_ps may name, and link_down's emulated network, are checked with the other groups
-# (testbed.config).
-FAULTS = options(
-    Option("none", NoFaultConfig),
-    Option("kill_rank", KillRankConfig, _check_rank),
-    Option("kill_ps", KillPsConfig, _check_step),
-    Option("link_down", LinkDownConfig, _check_link_down),
-    Option("nan_loss", NanLossConfig, _check_rank),
-)
-
-
 class NonFiniteLoss(RunFailure, FloatingPointError):
     """A rank's loss is NaN or infinite: training on would spread it to every replica."""
 
     kind = "nonfinite_loss"
 
 
+def _kill_self(cfg: Any) -> None:
+    # At the start of the step, after the steps before it: their records are on disk, so the step
+    # the run is reported to fail at is exact (a real crash may lose up to one flush interval).
+    flush_open_logs()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _kill_server(cfg: Any) -> None:
+    os.kill(json.loads(os.environ[PS_PIDS_ENV])[int(cfg.shard)], signal.SIGKILL)
+
+
+def _link_down(cfg: Any) -> None:
+    # This process lives in its emulated host's network namespace: so does `ip`.
+    subprocess.run(["ip", "link", "set", "eth0", "down"], check=True)
+    timer = threading.Timer(float(cfg.duration_s), _link_up)
+    timer.daemon = True
+    timer.start()
+
+
+def _link_up() -> None:
+    subprocess.run(["ip", "link", "set", "eth0", "up"], check=False)
+
+
+@dataclass(frozen=True)
+class Fault(Option):
+    """A fault kind: ``by(cfg)``, the rank that injects it (None: none does); ``strike(cfg)``, what
+    that rank does at the start of the fault's step; ``poisons_loss``: it turns that step's loss
+    NaN instead."""
+
+    by: Callable[[Any], int | None] = lambda cfg: None
+    strike: Callable[[Any], None] = lambda cfg: None
+    poisons_loss: bool = False
+
+
+# One failure, injected at the start of a step (`step`, or drawn from the seed in [1, steps) when
+# null), to check that the run fails cleanly: recorded, named, nothing left behind. Which shards
+# kill_ps may name, and link_down's emulated network, are checked with the other groups
+# (testbed.config).
+FAULTS = options(
+    Fault("none", NoFaultConfig),
+    Fault("kill_rank", KillRankConfig, _check_rank, by=lambda cfg: cfg.rank, strike=_kill_self),
+    # Rank 0 kills the server (any rank could; one must).
+    Fault("kill_ps", KillPsConfig, _check_step, by=lambda cfg: 0, strike=_kill_server),
+    Fault("link_down", LinkDownConfig, _check_link_down, by=lambda cfg: cfg.rank, strike=_link_down),
+    Fault("nan_loss", NanLossConfig, _check_rank, by=lambda cfg: cfg.rank, poisons_loss=True),
+)
+
+
 def fault_step(cfg: Any, seed: int, steps: int) -> int | None:
     """The step at which ``cfg`` strikes (None for no fault)."""
-    if cfg.name == "none":
+    cfg = typed(FAULTS[cfg.name].schema, cfg)
+    if FAULTS[cfg.name].by(cfg) is None:
         return None
-    if cfg.get("step") is not None:
+    if cfg.step is not None:
         return int(cfg.step)
     return random.Random(seed * 7_919 + 104_729).randrange(1, steps)
 
@@ -111,37 +149,16 @@ class FaultInjector:
     """The fault's part on one rank: called at the start of every step and on every loss."""
 
     def __init__(self, cfg: Any, rank: int, seed: int, steps: int) -> None:
-        self.cfg, self.rank = cfg, rank
+        self.kind = FAULTS[cfg.name]
+        self.cfg = typed(self.kind.schema, cfg)
         self.step = fault_step(cfg, seed, steps)
-        # kill_ps is done by rank 0 (any rank could; one must); the others by the chosen rank.
-        mine = (cfg.name == "kill_ps" and rank == 0) or (cfg.name != "kill_ps" and cfg.get("rank") == rank)
-        self.active = self.step is not None and mine
+        self.active = self.step is not None and self.kind.by(cfg) == rank
 
     def before_step(self, step: int) -> None:
-        if not self.active or step != self.step:
-            return
-        name = self.cfg.name
-        if name == "kill_rank":
-            # At the start of the step, after the steps before it: their records are on disk, so
-            # the step the run is reported to fail at is exact (a real crash may lose up to one
-            # flush interval of records).
-            flush_open_logs()
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif name == "kill_ps":
-            pid = json.loads(os.environ[PS_PIDS_ENV])[int(self.cfg.shard)]
-            os.kill(pid, signal.SIGKILL)
-        elif name == "link_down":
-            # This process lives in its emulated host's network namespace: so does `ip`.
-            subprocess.run(["ip", "link", "set", "eth0", "down"], check=True)
-            timer = threading.Timer(float(self.cfg.duration_s), _link_up)
-            timer.daemon = True
-            timer.start()
+        if self.active and step == self.step:
+            self.kind.strike(self.cfg)
 
     def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
-        if self.active and self.cfg.name == "nan_loss" and step == self.step:
+        if self.active and self.kind.poisons_loss and step == self.step:
             return loss * float("nan")
         return loss
-
-
-def _link_up() -> None:
-    subprocess.run(["ip", "link", "set", "eth0", "up"], check=False)
