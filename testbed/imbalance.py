@@ -19,11 +19,13 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from testbed.batch import per_rank_batch
 from testbed.checks import Option, options, require
+from testbed.schema import typed
 
 # Every kind adds time to chosen ranks' steps (recorded as t_injected, apart from real compute),
 # except uneven, which changes how many samples each rank computes.
@@ -120,12 +122,49 @@ def _check_uneven(cfg: Any) -> None:
     )
 
 
+def _straggler_slow(cfg: Any, rank: int) -> tuple[float, float]:
+    return float(cfg.slowdown), float(cfg.delay_ms) / 1e3
+
+
+def _heterogeneous_slow(cfg: Any, rank: int) -> tuple[float, float]:
+    speeds = list(cfg.speeds)
+    return (1.0 / speeds[rank] - 1.0 if rank < len(speeds) else 0.0), 0.0
+
+
+def _jitter_draw(cfg: Any, rng: random.Random) -> float:
+    mean = float(cfg.mean_ms) / 1e3
+    if cfg.distribution == "exponential":
+        return rng.expovariate(1.0 / mean)
+    if cfg.distribution == "normal":
+        return max(0.0, rng.gauss(mean, float(cfg.std_ms) / 1e3))
+    # Lognormal with the configured mean and std of the delay itself.
+    std = float(cfg.std_ms) / 1e3
+    sigma2 = math.log1p((std / mean) ** 2)
+    return rng.lognormvariate(math.log(mean) - sigma2 / 2, math.sqrt(sigma2))
+
+
+def _uneven_shares(cfg: Any, n: int) -> list[float]:
+    return list(cfg.shares) or [float(cfg.skew) ** (r / (n - 1)) for r in range(n)]
+
+
+@dataclass(frozen=True)
+class Imbalance(Option):
+    """An imbalance kind: ``slow(cfg, rank)``, the (factor of measured compute, fixed seconds) an
+    affected rank adds to each step; ``draw(cfg, rng)``, a random extra time per step (drawn on
+    every rank, every step, so that a seed gives the same delays); ``shares(cfg, n)``, relative
+    shard sizes (None: equal)."""
+
+    slow: Callable[[Any, int], tuple[float, float]] = lambda cfg, rank: (0.0, 0.0)
+    draw: Callable[[Any, random.Random], float] | None = None
+    shares: Callable[[Any, int], list[float]] | None = None
+
+
 IMBALANCES = options(
-    Option("none", NoImbalanceConfig),
-    Option("straggler", StragglerConfig, _check_straggler),
-    Option("jitter", JitterConfig, _check_jitter),
-    Option("heterogeneous", HeterogeneousConfig, _check_heterogeneous),
-    Option("uneven", UnevenConfig, _check_uneven),
+    Imbalance("none", NoImbalanceConfig),
+    Imbalance("straggler", StragglerConfig, _check_straggler, slow=_straggler_slow),
+    Imbalance("jitter", JitterConfig, _check_jitter, draw=_jitter_draw),
+    Imbalance("heterogeneous", HeterogeneousConfig, _check_heterogeneous, slow=_heterogeneous_slow),
+    Imbalance("uneven", UnevenConfig, _check_uneven, shares=_uneven_shares),
 )
 
 
@@ -133,32 +172,19 @@ class Injector:
     """Extra time per step for one rank."""
 
     def __init__(self, cfg: Any, rank: int, seed: int) -> None:
-        self.cfg, self.rank = cfg, rank
+        self.kind = IMBALANCES[cfg.name]
+        self.cfg, self.rank = typed(self.kind.schema, cfg), rank
         self.rng = random.Random(seed * 1_000_003 + rank * 7919 + 17)
-        ranks = cfg.get("ranks")
+        ranks = getattr(self.cfg, "ranks", None)  # null or absent: every rank
         self.affected = ranks is None or rank in list(ranks)
-        self.factor = 0.0  # extra time per unit of measured compute
-        self.fixed_s = 0.0
-        if cfg.name == "straggler" and self.affected:
-            self.factor, self.fixed_s = float(cfg.slowdown), float(cfg.delay_ms) / 1e3
-        if cfg.name == "heterogeneous":
-            speeds = list(cfg.speeds)
-            self.factor = 1.0 / speeds[rank] - 1.0 if rank < len(speeds) else 0.0
+        # Extra time per unit of measured compute, and fixed.
+        self.factor, self.fixed_s = self.kind.slow(self.cfg, rank) if self.affected else (0.0, 0.0)
 
     def draw_s(self) -> float:
-        """The jitter of one step (0 for other kinds); advances the generator either way."""
-        if self.cfg.name != "jitter":
+        """The random extra time of one step (0 for kinds without); advances the generator either way."""
+        if self.kind.draw is None:
             return 0.0
-        cfg = self.cfg
-        mean = float(cfg.mean_ms) / 1e3
-        if cfg.distribution == "exponential":
-            value = self.rng.expovariate(1.0 / mean)
-        elif cfg.distribution == "normal":
-            value = max(0.0, self.rng.gauss(mean, float(cfg.std_ms) / 1e3))
-        else:  # lognormal with the configured mean and std of the delay itself
-            std = float(cfg.std_ms) / 1e3
-            sigma2 = math.log1p((std / mean) ** 2)
-            value = self.rng.lognormvariate(math.log(mean) - sigma2 / 2, math.sqrt(sigma2))
+        value = self.kind.draw(self.cfg, self.rng)
         return value if self.affected else 0.0
 
     def delay_s(self, last_compute_s: float | None) -> float:
@@ -181,10 +207,10 @@ def shard_batches(cfg: Any) -> list[int]:
     """
     n = int(cfg.world_size)
     per_rank = per_rank_batch(cfg)
-    imb = cfg.imbalance
-    if imb.name != "uneven" or n == 1:
+    kind = IMBALANCES[cfg.imbalance.name]
+    if kind.shares is None or n == 1:
         return [per_rank] * n
-    shares = list(imb.shares) or [float(imb.skew) ** (r / (n - 1)) for r in range(n)]
+    shares = kind.shares(typed(kind.schema, cfg.imbalance), n)
     total = per_rank * n
     # Largest-remainder rounding, with at least one sample each, keeps the total exact.
     exact = [total * s / sum(shares) for s in shares]

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from omegaconf import DictConfig, OmegaConf
 from scipy.integrate import quad
 from scipy.optimize import bisect, brentq
 
@@ -30,16 +29,6 @@ from testbed.imbalance import Injector
 from testbed.ps.modes import MODES, staleness_bound
 
 # --- compute times ------------------------------------------------------------------------------
-
-
-class _PlainCfg(dict):
-    """A resolved config with attribute access: DictConfig lookups would dominate n x steps draws."""
-
-    def __getattr__(self, key: str) -> Any:
-        try:
-            return self[key]
-        except KeyError as missing:
-            raise AttributeError(key) from missing
 
 
 def compute_times(imbalance_cfg: Any, n: int, steps: int, base_s: float | Sequence[float], seed: int) -> np.ndarray:
@@ -54,12 +43,10 @@ def compute_times(imbalance_cfg: Any, n: int, steps: int, base_s: float | Sequen
         base = np.full(n, float(base))
     if base.shape != (n,):
         raise ValueError(f"base_s must be one value or {n} values, got shape {base.shape}")
-    cfg = imbalance_cfg
-    if isinstance(cfg, DictConfig):
-        cfg = _PlainCfg(OmegaConf.to_container(cfg, resolve=True))
     times = np.empty((steps, n))
     for rank in range(n):
-        injector, b = Injector(cfg, rank, seed), float(base[rank])
+        # The injector holds its config as a dataclass: no DictConfig lookups in n x steps draws.
+        injector, b = Injector(imbalance_cfg, rank, seed), float(base[rank])
         times[:, rank] = [b + injector.delay_s(b if step else None) for step in range(steps)]
     return times
 
