@@ -26,12 +26,14 @@ import logging
 import os
 import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from testbed.checks import require
 from testbed.results.step_log import metrics_path, read_step_records
 from testbed.step_record import StepRecord
 
@@ -189,3 +191,28 @@ def mismatches(cfg: dict[str, Any], resumed: dict[str, Any]) -> list[str]:
 
     ours, theirs = what(cfg), what(resumed)
     return sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # steps between checkpoints; 0: none
+    keep: int = 2  # newest checkpoints kept
+
+
+def check_checkpoints(cfg: Any, plain: dict[str, Any]) -> None:
+    """``checkpoint.*`` and ``resume``: a resumed run has a complete checkpoint, the same config
+    (``plain``, the resolved one) and steps left to run."""
+    require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0 (0: no checkpoints)")
+    require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
+    if not cfg.resume:
+        return
+    resumed = Path(cfg.resume)
+    found = latest(resumed)
+    require(found is not None, f"resume={cfg.resume}: no complete checkpoint there "
+            f"({'; '.join(scan(resumed)[1]) or 'run it with checkpoint.every > 0'})")
+    summary = resumed / "summary.json"
+    require(summary.exists(), f"resume={cfg.resume}: no summary.json to compare the config with")
+    differ = mismatches(plain, json.loads(summary.read_text())["config"])
+    require(not differ, f"resume={cfg.resume}: the config differs in {', '.join(differ)}; resume with the same settings")
+    step = checkpoint_step(found)
+    require(step + 1 < cfg.steps, f"resume={cfg.resume}: its checkpoint is after step {step}; steps={cfg.steps} leaves nothing to run")

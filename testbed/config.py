@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,11 +18,11 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from testbed.checkpoint import CheckpointConfig, check_checkpoints
 from testbed.checks import ConfigError, enum_value, require, resolved_device
 from testbed.compress import CODECS
 from testbed.data import spec_for
-from testbed.data.kinds import DATA_KINDS, data_kind, heldout_of
-from testbed.data.loader import WORKER_STARTS
+from testbed.data.kinds import DATA_KINDS, check_data, data_kind, heldout_of
 from testbed.data.schema import DataConfig
 from testbed.eval.config import EvalConfig, TargetConfig, check_eval
 from testbed.eval.metrics import metrics_of
@@ -37,6 +36,7 @@ from testbed.netem.options import NETWORKS
 from testbed.optim import SCHEMAS as OPTIM_SCHEMAS
 from testbed.optim import check_optimizer
 from testbed.paths import config_dir
+from testbed.results.wandb_run import WandbConfig, check_wandb
 from testbed.sim.config import SimConfig
 from testbed.sync import SYNCHRONIZERS
 from testbed.tune.config import TuneConfig
@@ -74,25 +74,6 @@ class LocalLauncherConfig:
     # After a failure, start the world again (ranks, parameter servers, emulated network) this many
     # times, from the job's latest checkpoint (from the start without one): testbed.launch.job.
     max_restarts: int = 0
-
-
-WANDB_MODES = ("disabled", "offline", "online")
-
-
-@dataclass
-class WandbConfig:
-    mode: str = "disabled"  # disabled | offline (written under the job dir, synced later) | online
-    project: str = "testbed"
-    entity: str | None = None
-    group: str | None = None  # null: the sweep's directory (a single run: its own directory)
-    tags: list[str] = field(default_factory=list)
-    init_timeout_s: float = 60.0  # an unreachable server costs at most this, once
-
-
-@dataclass
-class CheckpointConfig:
-    every: int = 0  # steps between checkpoints (testbed.checkpoint); 0: none
-    keep: int = 2  # newest checkpoints kept
 
 
 @dataclass
@@ -219,7 +200,7 @@ def validate(cfg: DictConfig, local_world_size: int | None = None, simulated: bo
     require(cfg.threads_per_rank >= 0, f"threads_per_rank={cfg.threads_per_rank}: must be >= 0 (0 = auto)")
     require(cfg.timeouts.collective_s > 0, "timeouts.collective_s: must be > 0 seconds")
     require(cfg.timeouts.rendezvous_s > 0, "timeouts.rendezvous_s: must be > 0 seconds")
-    require(cfg.wandb.mode in WANDB_MODES, f"wandb.mode={cfg.wandb.mode}: allowed: {'|'.join(WANDB_MODES)}")
+    check_wandb(cfg.wandb)
     check_optimizer(cfg.optim)
 
     data = cfg.data
@@ -230,7 +211,8 @@ def validate(cfg: DictConfig, local_world_size: int | None = None, simulated: bo
             f"data.batch_size={data.batch_size} does not divide by world_size={cfg.world_size} under "
             f"data.scaling=strong; use a multiple of {cfg.world_size} or data.scaling=weak",
         )
-    _validate_data(cfg)
+    check_data(cfg)
+    check_schedule(cfg, data_kind(cfg.data.name).train_size(cfg.data))
     _validate_model(cfg)
     bucket = cfg.sync.get("bucket_mb")
     require(bucket is None or bucket >= 0, f"sync.bucket_mb={bucket}: must be >= 0 (0: one bucket per tensor) or null")
@@ -241,7 +223,10 @@ def validate(cfg: DictConfig, local_world_size: int | None = None, simulated: bo
     for group, opts in OPTION_GROUPS.items():
         opts[cfg[group].name].check(cfg)
     _validate_across(cfg)
-    _validate_checkpoint(cfg)
+    restarts = cfg.launcher.get("max_restarts", 0)
+    require(isinstance(restarts, int) and restarts >= 0,
+            f"launcher.max_restarts={restarts}: must be an integer >= 0 (0: a failed run stays failed)")
+    check_checkpoints(cfg, to_plain(cfg))
 
     device = enum_value(cfg.device)
     backend = enum_value(cfg.backend)
@@ -260,20 +245,6 @@ def validate(cfg: DictConfig, local_world_size: int | None = None, simulated: bo
         enum_value(cfg.precision) == "fp32" or resolved_device(cfg) == "cuda",
         "precision=bf16 (autocast) is for CUDA; use precision=fp32 on CPU",
     )
-
-
-def _validate_data(cfg: DictConfig) -> None:
-    data = cfg.data
-    require(all(d >= 1 for d in data.shape), f"data.shape={list(data.shape)}: every dimension must be >= 1")
-    kind = data_kind(data.name)
-    kind.check(data)
-    if kind.loader:
-        require(data.num_workers >= 0, f"data.num_workers={data.num_workers}: must be >= 0 (0: load in the rank)")
-        require(data.prefetch_factor >= 1, f"data.prefetch_factor={data.prefetch_factor}: must be >= 1")
-        require(data.worker_start in WORKER_STARTS,
-                 f"data.worker_start={data.worker_start}: allowed: {'|'.join(WORKER_STARTS)} (fork breaks gRPC channels)")
-        require(not data.pin_memory or resolved_device(cfg) == "cuda", "data.pin_memory=true is for CUDA; drop it on CPU")
-    check_schedule(cfg, kind.train_size(data))
 
 
 def _validate_model(cfg: DictConfig) -> None:
@@ -338,28 +309,6 @@ def _validate_across(cfg: DictConfig) -> None:
         require(0 <= fault.shard < servers, f"fault.shard={fault.shard}: must be in [0, sync.servers={servers})")
     if fault.name == "link_down":
         require(cfg.network.name == "emulated", "fault=link_down takes an emulated link down: use network=emulated")
-
-
-def _validate_checkpoint(cfg: DictConfig) -> None:
-    from testbed import checkpoint
-
-    require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0 (0: no checkpoints)")
-    require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
-    restarts = cfg.launcher.get("max_restarts", 0)
-    require(isinstance(restarts, int) and restarts >= 0,
-            f"launcher.max_restarts={restarts}: must be an integer >= 0 (0: a failed run stays failed)")
-    if not cfg.resume:
-        return
-    resumed = Path(cfg.resume)
-    found = checkpoint.latest(resumed)
-    require(found is not None, f"resume={cfg.resume}: no complete checkpoint there "
-            f"({'; '.join(checkpoint.scan(resumed)[1]) or 'run it with checkpoint.every > 0'})")
-    summary = resumed / "summary.json"
-    require(summary.exists(), f"resume={cfg.resume}: no summary.json to compare the config with")
-    differ = checkpoint.mismatches(to_plain(cfg), json.loads(summary.read_text())["config"])
-    require(not differ, f"resume={cfg.resume}: the config differs in {', '.join(differ)}; resume with the same settings")
-    step = checkpoint.checkpoint_step(found)
-    require(step + 1 < cfg.steps, f"resume={cfg.resume}: its checkpoint is after step {step}; steps={cfg.steps} leaves nothing to run")
 
 
 def to_plain(cfg: DictConfig) -> dict[str, Any]:

@@ -18,10 +18,17 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from testbed.checks import ConfigError, require
+from testbed.checks import ConfigError, require, resolved_device
 from testbed.data import datasets
 from testbed.data.batches import BatchSource, DatasetHeldOut, HeldOut, RankBatches, TensorHeldOut
-from testbed.data.loader import TOKEN_DTYPES, ImageFolder, LoaderBatches, SyntheticImageBatches, TokenFile
+from testbed.data.loader import (
+    TOKEN_DTYPES,
+    WORKER_STARTS,
+    ImageFolder,
+    LoaderBatches,
+    SyntheticImageBatches,
+    TokenFile,
+)
 from testbed.data.schema import (
     DataConfig,
     LmDataConfig,
@@ -206,3 +213,17 @@ def build_heldout(cfg: Any, seed: int) -> HeldOut:
     if reason is not None:
         raise ValueError(reason)
     return data_kind(cfg.name).heldout(cfg, seed)  # type: ignore[misc]
+
+
+def check_data(cfg: Any) -> None:
+    """The data group's own checks: its kind's, and the input pipeline's where it has one."""
+    data = cfg.data
+    require(all(d >= 1 for d in data.shape), f"data.shape={list(data.shape)}: every dimension must be >= 1")
+    kind = data_kind(data.name)
+    kind.check(data)
+    if kind.loader:
+        require(data.num_workers >= 0, f"data.num_workers={data.num_workers}: must be >= 0 (0: load in the rank)")
+        require(data.prefetch_factor >= 1, f"data.prefetch_factor={data.prefetch_factor}: must be >= 1")
+        require(data.worker_start in WORKER_STARTS,
+                f"data.worker_start={data.worker_start}: allowed: {'|'.join(WORKER_STARTS)} (fork breaks gRPC channels)")
+        require(not data.pin_memory or resolved_device(cfg) == "cuda", "data.pin_memory=true is for CUDA; drop it on CPU")

@@ -15,10 +15,28 @@ from __future__ import annotations
 import logging
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from testbed.checks import require
 from testbed.step_record import StepRecord
+
+WANDB_MODES = ("disabled", "offline", "online")
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "disabled"  # disabled | offline (written under the job dir, synced later) | online
+    project: str = "testbed"
+    entity: str | None = None
+    group: str | None = None  # null: the sweep's directory (a single run: its own directory)
+    tags: list[str] = field(default_factory=list)
+    init_timeout_s: float = 60.0  # an unreachable server costs at most this, once
+
+
+def check_wandb(cfg: Any) -> None:
+    require(cfg.mode in WANDB_MODES, f"wandb.mode={cfg.mode}: allowed: {'|'.join(WANDB_MODES)}")
 
 log = logging.getLogger("testbed")
 
