@@ -31,8 +31,7 @@ from testbed.faults import FAULTS
 from testbed.imbalance import IMBALANCES
 from testbed.models import MODELS, check_fits, model_kind
 from testbed.models.call import check_model_call, model_call
-from testbed.netem.links import MAX_ENDPOINTS
-from testbed.netem.options import NETWORKS
+from testbed.network import NETWORKS
 from testbed.optim import SCHEMAS as OPTIM_SCHEMAS
 from testbed.optim import check_optimizer
 from testbed.paths import config_dir
@@ -300,6 +299,8 @@ def _validate_across(cfg: DictConfig) -> None:
     """The fault and network checks that depend on the synchronizer or on each other."""
     spec, fault = SYNCHRONIZERS[cfg.sync.name], cfg.fault
     if cfg.network.name == "emulated":
+        from testbed.netem.links import MAX_ENDPOINTS  # the namespace code, only for an emulated network
+
         endpoints = int(cfg.world_size) + spec.local_servers(cfg)
         require(endpoints <= MAX_ENDPOINTS,
                 f"network=emulated: {endpoints} ranks and servers exceed the {MAX_ENDPOINTS} addresses of its /24; use fewer")

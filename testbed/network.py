@@ -1,7 +1,8 @@
-"""The network group: loopback, or emulated links shaped with tc (testbed.netem.links).
+"""The network group: loopback, or emulated links shaped with tc (testbed.netem).
 
 How many ranks and servers a network must address depends on the synchronizer, so that check is
-with the other groups' (testbed.config).
+with the other groups' (testbed.config). The namespace code is imported only to check an emulated
+network: declaring the group loads none of it (tests/test_imports.py).
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from testbed.checks import ConfigError, Option, options, require, resolved_backend
-from testbed.netem.links import PLACEMENTS, NetworkUnavailable, check_available, parse_rate
 
 
 @dataclass
@@ -33,6 +33,8 @@ class EmulatedNetworkConfig:
 
 
 def _check_rate(field: str, rate: str) -> None:
+    from testbed.netem.links import parse_rate
+
     try:
         parse_rate(rate)
     except ValueError as exc:
@@ -40,6 +42,8 @@ def _check_rate(field: str, rate: str) -> None:
 
 
 def _check_emulated(cfg: Any) -> None:
+    from testbed.netem.links import PLACEMENTS, NetworkUnavailable, check_available
+
     net = cfg.network
     _check_rate("network.bandwidth", net.bandwidth)
     require(net.latency_ms >= 0, f"network.latency_ms={net.latency_ms}: must be >= 0")
