@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,8 +65,9 @@ def open_channel(address: str, ca: str | None = None) -> grpc.Channel:
 
 def tls_of(sync_cfg: Any) -> tuple[str | None, str | None, str | None]:
     """(certificate, key, certificate authority) of a sync config; all None without TLS."""
-    return (getattr(sync_cfg, "tls_cert", None) or None, getattr(sync_cfg, "tls_key", None) or None,
-            getattr(sync_cfg, "tls_ca", None) or None)
+    # A mapping (the launcher's plain config) or a synchronizer's typed one (testbed.schema).
+    get = sync_cfg.get if isinstance(sync_cfg, Mapping) else lambda key: getattr(sync_cfg, key, None)
+    return get("tls_cert") or None, get("tls_key") or None, get("tls_ca") or None
 
 
 def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
