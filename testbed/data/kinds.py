@@ -59,7 +59,7 @@ class DataKind:
 # --- in-memory kinds: one generator gives both splits --------------------------------------------
 
 
-VAL_SAMPLES = 1024  # data.val_samples' default, for a data config given without it
+VAL_SAMPLES = DataConfig.val_samples  # the schema's default, for a data config given without it
 
 # Each in-memory kind's generator: (data config as plain values, seed) -> both splits.
 _GENERATORS: dict[str, Callable[[dict[str, Any], int], datasets.Tensors]] = {
