@@ -49,10 +49,26 @@ def test_bf16_autocast_trains(tmp_path: Path, model: list[str]) -> None:
 
 def test_nccl_refuses_more_ranks_than_gpus(tmp_path: Path) -> None:
     ranks = torch.cuda.device_count() + 1
-    proc = run_cli(["backend=nccl", f"world_size={ranks}", f"hydra.run.dir={tmp_path / 'job'}"], cwd=tmp_path)
+    proc = run_cli(["device=cuda", "backend=nccl", f"world_size={ranks}", f"hydra.run.dir={tmp_path / 'job'}"],
+                   cwd=tmp_path)
     assert proc.returncode == 2
     assert "backend=nccl needs one CUDA GPU per local rank" in proc.stderr
     assert not (tmp_path / "job").exists()
+
+
+@pytest.mark.parametrize("shards", [[], ["sync.servers=2", "sync.overlap=true"]], ids=["one_shard", "two_shards_overlap"])
+def test_ps_shares_one_gpu_between_two_ranks_and_matches_cpu(tmp_path: Path, shards: list[str]) -> None:
+    """More ranks than GPUs: NCCL is refused (above), but the parameter server stages through host
+    memory, so two ranks share the GPU under gloo and train the model the CPU run trains."""
+    gpu, cpu = tmp_path / "gpu", tmp_path / "cpu"
+    for out, device in ((gpu, "cuda"), (cpu, "cpu")):
+        args = [f"device={device}", "backend=gloo", "sync=ps", "world_size=2", *shards, *SMALL, f"hydra.run.dir={out}"]
+        proc = run_cli(args, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_json(gpu / "summary.json")
+    assert summary["status"] == "ok" and summary["device"].startswith("cuda")
+    assert summary["replicas_identical"] is True
+    assert relative_error(load_params(gpu), load_params(cpu)) < 1e-3
 
 
 def sleep_cycles(device: torch.device, seconds: float) -> int:

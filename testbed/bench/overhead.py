@@ -19,20 +19,24 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from hydra import compose, initialize_config_dir
+from torch import nn
 
 from testbed import config
 from testbed.batch import per_rank_batch
 from testbed.checks import enum_value, resolved_backend, resolved_device
 from testbed.data import build_data
-from testbed.models import build_model
-from testbed.models.call import cross_entropy
+from testbed.data.batches import BatchSource
+from testbed.models import build_model, objective_batches
+from testbed.models.call import cross_entropy, model_call
 from testbed.optim import build_optimizer
 from testbed.paths import config_dir
 from testbed.results.step_log import StepLog
-from testbed.sync import build_synchronizer
+from testbed.step_record import StepRecord
+from testbed.sync import spec_of
 from testbed.timing import synchronize
 from testbed.trainer import Trainer
 from testbed.world import World
@@ -54,57 +58,72 @@ def plain_loop(model, optimizer, batches, steps: int, device: torch.device, bf16
     return time.perf_counter() - start
 
 
-def measure(overrides: list[str], steps: int, repeats: int) -> dict:
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["sync=none", "world_size=1", *overrides])
-    config.validate(cfg)
-    device = torch.device(resolved_device(cfg))
-    world = World(0, 0, 1, 1, device, resolved_backend(cfg), cfg.timeouts.collective_s)
-    bf16 = enum_value(cfg.precision) == "bf16"
-    torch.manual_seed(cfg.seed)
-    batch_samples = per_rank_batch(cfg)
+class SingleRank:
+    """One rank's model, data, optimizer, synchronizer and trainer, built from Hydra overrides the way
+    a rank of ``python -m testbed`` builds them: the benchmarks' common ground."""
 
-    def data():  # a fresh stream per run: a DataLoader's batches are read once, in order
-        return build_data(cfg.data, [batch_samples], 0, cfg.seed, device)
-
-    spec = data()[0]
-
-    def fresh():
-        torch.manual_seed(cfg.seed)
-        model = build_model(cfg.model, spec).to(device)
-        return model, build_optimizer(cfg.optim, model.parameters())
-
-    def run_trainer(r: int, tmp: str) -> float:
-        model, opt = fresh()
-        sync = build_synchronizer(cfg.sync)
-        sync.setup(model, opt, world)
-        log = StepLog(Path(tmp) / f"rank0-{r}.jsonl")
-        batches = data()[1]
-        trainer = Trainer(opt, sync, batches, world, log, steps, bf16=bf16, log_every=10**9)
-        synchronize(device)
-        start = time.perf_counter()
-        trainer.run()
-        synchronize(device)
-        log.close()
+    def __init__(self, overrides: list[str]) -> None:
+        with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=["world_size=1", *overrides])
+        config.validate(cfg)
+        self.cfg = cfg
+        self.device = torch.device(resolved_device(cfg))
+        self.world = World(0, 0, 1, 1, self.device, resolved_backend(cfg), cfg.timeouts.collective_s)
+        self.bf16 = enum_value(cfg.precision) == "bf16"
+        self.batch_samples = per_rank_batch(cfg)
+        self.spec, batches = self.data()
         batches.close()
-        return time.perf_counter() - start
 
-    def run_plain() -> float:
-        batches = data()[1]
-        elapsed = plain_loop(*fresh(), batches, steps, device, bf16)
+    def data(self) -> tuple[Any, BatchSource]:
+        """A fresh stream per run (a DataLoader's batches are read once, in order), as the model trains on it."""
+        spec, batches = build_data(self.cfg.data, [self.batch_samples], 0, self.cfg.seed, self.device)
+        return spec, objective_batches(self.cfg.model, batches, spec, self.cfg.seed, 0)
+
+    def fresh(self) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(self.cfg.seed)
+        model = build_model(self.cfg.model, self.spec).to(self.device)
+        return model, build_optimizer(self.cfg.optim, model.parameters())
+
+    def run_trainer(self, steps: int, log_path: Path, trainer_cls: type[Trainer] = Trainer) -> tuple[float, Trainer, list[StepRecord]]:
+        """Seconds of wall clock for ``steps`` trainer steps, the trainer and its records."""
+        model, opt = self.fresh()
+        sync = spec_of(self.cfg.sync.name).impl(self.cfg.sync, self.cfg.compress, int(self.cfg.seed))
+        sync.setup(model, opt, self.world)
+        log = StepLog(log_path)
+        batches = self.data()[1]
+        trainer = trainer_cls(opt, sync, batches, self.world, log, steps, bf16=self.bf16, log_every=10**9,
+                              call=model_call(self.cfg.model))
+        try:
+            synchronize(self.device)
+            start = time.perf_counter()
+            records = trainer.run()
+            synchronize(self.device)
+            return time.perf_counter() - start, trainer, records
+        finally:
+            log.close()
+            batches.close()
+            sync.close()
+
+    def run_plain(self, steps: int) -> float:
+        batches = self.data()[1]
+        elapsed = plain_loop(*self.fresh(), batches, steps, self.device, self.bf16)
         batches.close()
         return elapsed
 
+
+def measure(overrides: list[str], steps: int, repeats: int) -> dict:
+    rank = SingleRank(["sync=none", *overrides])
+    batch_samples, device = rank.batch_samples, rank.device
     plain_s, trainer_s = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(repeats + 1):  # round 0 warms up both paths and is discarded
             # Alternate which path goes first, so that neither always runs on a warmer machine.
             if r % 2:
-                t_trainer = run_trainer(r, tmp)
-                t_plain = run_plain()
+                t_trainer = rank.run_trainer(steps, Path(tmp) / f"rank0-{r}.jsonl")[0]
+                t_plain = rank.run_plain(steps)
             else:
-                t_plain = run_plain()
-                t_trainer = run_trainer(r, tmp)
+                t_plain = rank.run_plain(steps)
+                t_trainer = rank.run_trainer(steps, Path(tmp) / f"rank0-{r}.jsonl")[0]
             if r:
                 plain_s.append(t_plain)
                 trainer_s.append(t_trainer)
