@@ -37,7 +37,9 @@ def test_cuda_run_with_nccl_matches_cpu(tmp_path: Path) -> None:
         assert all(r[f"t_{p}"] >= 0 for p in ("data", "forward", "backward", "sync", "optimizer"))
 
 
-@pytest.mark.parametrize("model", [["model=mlp"], ["model=cnn"], ["model=transformer", "data=lm"]])
+# Each on data it learns within 30 steps at the default learning rate (the CNN on the default
+# synthetic data does not, on CPU either), so that the loss's fall is a signal, not noise.
+@pytest.mark.parametrize("model", [["model=mlp"], ["model=cnn", "data=digits"], ["model=transformer", "data=lm"]])
 def test_bf16_autocast_trains(tmp_path: Path, model: list[str]) -> None:
     out = tmp_path / "job"
     proc = run_cli(["device=cuda", "precision=bf16", *model, "steps=30", "warmup_steps=5", f"hydra.run.dir={out}"],
