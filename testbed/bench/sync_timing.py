@@ -57,12 +57,17 @@ def measure(overrides: list[str], steps: int) -> dict:
     rank = SingleRank(overrides)
     if steps <= WARMUP:
         raise SystemExit(f"--steps={steps}: must exceed the {WARMUP} warm-up steps")
-    if not dist.is_initialized():  # one rank, its own store: the collectives run, with no peer
+    owned = not dist.is_initialized()
+    if owned:  # one rank, its own store: the collectives run, with no peer
         dist.init_process_group(rank.world.backend, store=dist.HashStore(), rank=0, world_size=1)
     BracketedTrainer.bracketed = []
-    with tempfile.TemporaryDirectory() as tmp:
-        _, _, events = rank.run_trainer(steps, Path(tmp) / "events.jsonl")
-        _, _, bracketed_records = rank.run_trainer(steps, Path(tmp) / "bracketed.jsonl", BracketedTrainer)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            _, _, events = rank.run_trainer(steps, Path(tmp) / "events.jsonl")
+            _, _, bracketed_records = rank.run_trainer(steps, Path(tmp) / "bracketed.jsonl", BracketedTrainer)
+    finally:
+        if owned:
+            dist.destroy_process_group()
     bracketed = statistics.median(BracketedTrainer.bracketed[WARMUP:])
     t_sync = median_of(events, "t_sync")
     return {
@@ -87,8 +92,6 @@ def main(argv: list[str] | None = None) -> int:
           f"{ms(br['t_encode'])}, t_decode {ms(ev['t_decode'])} / {ms(br['t_decode'])}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    if dist.is_initialized():
-        dist.destroy_process_group()
     return 0
 
 
