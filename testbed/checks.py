@@ -27,6 +27,23 @@ def enum_value(value: Any) -> str:
     return value.value if isinstance(value, enum.Enum) else str(value)
 
 
+class Device(enum.Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Backend(enum.Enum):
+    auto = "auto"
+    gloo = "gloo"
+    nccl = "nccl"
+
+
+class Precision(enum.Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
 def resolved_device(cfg: Any) -> str:
     device = enum_value(cfg.device)
     if device == "auto":
@@ -39,6 +56,27 @@ def resolved_backend(cfg: Any) -> str:
     if backend == "auto":
         return "nccl" if resolved_device(cfg) == "cuda" else "gloo"
     return backend
+
+
+def check_devices(cfg: Any, local: int) -> None:
+    """The device, the backend and the precision fit the machine's GPUs and ``local`` ranks on it."""
+    device = enum_value(cfg.device)
+    backend = enum_value(cfg.backend)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    require(
+        device != "cuda" or gpus >= 1,
+        "device=cuda but no CUDA GPU is visible; use device=cpu or device=auto",
+    )
+    if backend == "nccl" or (backend == "auto" and resolved_device(cfg) == "cuda"):
+        require(
+            resolved_device(cfg) == "cuda" and gpus >= local,
+            f"backend=nccl needs one CUDA GPU per local rank ({local} local ranks, {gpus} GPUs visible); "
+            "use backend=gloo (or device=cpu), or fewer ranks per machine",
+        )
+    require(
+        enum_value(cfg.precision) == "fp32" or resolved_device(cfg) == "cuda",
+        "precision=bf16 (autocast) is for CUDA; use precision=fp32 on CPU",
+    )
 
 
 @dataclass(frozen=True)

@@ -8,18 +8,14 @@ one line that names the field, the allowed values and the fix.
 
 from __future__ import annotations
 
-import enum
-import hashlib
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from testbed.checkpoint import CheckpointConfig, check_checkpoints
-from testbed.checks import ConfigError, enum_value, require, resolved_device
+from testbed.checks import Backend, ConfigError, Device, Precision, check_devices, enum_value, require, resolved_device
 from testbed.compress import CODECS
 from testbed.data import spec_for
 from testbed.data.kinds import DATA_KINDS, check_data, data_kind, heldout_of
@@ -28,40 +24,23 @@ from testbed.eval.config import EvalConfig, TargetConfig, check_eval
 from testbed.eval.metrics import metrics_of
 from testbed.eval.schedule import check_schedule
 from testbed.faults import FAULTS
+from testbed.help import app_help
 from testbed.imbalance import IMBALANCES
-from testbed.models import MODELS, check_fits, model_kind
-from testbed.models.call import check_model_call, model_call
+from testbed.models import MODELS, check_model, model_kind
+from testbed.models.call import model_call
 from testbed.network import NETWORKS
 from testbed.optim import SCHEMAS as OPTIM_SCHEMAS
 from testbed.optim import check_optimizer
-from testbed.paths import config_dir
+from testbed.paths import short_dirname
 from testbed.results.wandb_run import WandbConfig, check_wandb
 from testbed.sim.config import SimConfig
 from testbed.sync import SYNCHRONIZERS
 from testbed.tune.config import TuneConfig
 
-
-class Device(enum.Enum):
-    auto = "auto"
-    cpu = "cpu"
-    cuda = "cuda"
-
-
-class Backend(enum.Enum):
-    auto = "auto"
-    gloo = "gloo"
-    nccl = "nccl"
-
-
-class Precision(enum.Enum):
-    fp32 = "fp32"
-    bf16 = "bf16"
-
-
 BUFFER_POLICIES = ("broadcast", "average", "local")
 
 
-# --- launcher group ---------------------------------------------------------------------------
+# --- the launcher group and the job's time limits -------------------------------------------
 
 
 @dataclass
@@ -152,26 +131,7 @@ def register_schemas() -> None:
     for group, options in GROUP_SCHEMAS.items():
         for name, schema in options.items():
             cs.store(group=f"schema/{group}", name=name, node=schema)
-    cs.store(group="hydra/help", name="testbed", node=_help())
-
-
-def _help() -> dict[str, str]:
-    """``--help``: the groups a user picks from (experiments/), without the internal schema/*."""
-    root = Path(config_dir())
-    groups = sorted(d.name for d in root.iterdir() if d.is_dir() and d.name != "hydra")
-    defaults = OmegaConf.to_container(OmegaConf.load(root / "config.yaml").defaults)
-    chosen = {next(iter(entry)) for entry in defaults if isinstance(entry, dict)}
-    names = {g: g if g in chosen else f"+{g}" for g in groups}
-    width = max(map(len, names.values()))
-    lines = [f"  {names[g]:<{width}}  {', '.join(sorted(p.stem for p in (root / g).glob('*.yaml')))}" for g in groups]
-    return {
-        "app_name": "testbed",
-        "header": "python -m testbed: one data-parallel training run per Hydra job (-m sweeps).",
-        "footer": "Use --hydra-help for Hydra's own options.",
-        "template": "${hydra.help.header}\n== Configuration groups ==\nPick one option per group (group=option; "
-        "+group=option for the groups marked +):\n\n" + "\n".join(lines) + "\n\n== Config ==\nOverride anything "
-        "in the config (foo.bar=value):\n\n$CONFIG\n${hydra.help.footer}\n",
-    }
+    cs.store(group="hydra/help", name="testbed", node=app_help())
 
 
 # --- semantic checks --------------------------------------------------------------------------
@@ -199,6 +159,10 @@ def validate(cfg: DictConfig, local_world_size: int | None = None, simulated: bo
     require(cfg.threads_per_rank >= 0, f"threads_per_rank={cfg.threads_per_rank}: must be >= 0 (0 = auto)")
     require(cfg.timeouts.collective_s > 0, "timeouts.collective_s: must be > 0 seconds")
     require(cfg.timeouts.rendezvous_s > 0, "timeouts.rendezvous_s: must be > 0 seconds")
+    require(cfg.buffers in BUFFER_POLICIES, f"buffers={cfg.buffers}: allowed: {'|'.join(BUFFER_POLICIES)}")
+    require(not cfg.sync_bn or resolved_device(cfg) == "cuda",
+            "sync_bn=true: torch's SyncBatchNorm runs on CUDA only; use buffers=broadcast|average on CPU")
+    require(cfg.peak_tflops is None or cfg.peak_tflops > 0, f"peak_tflops={cfg.peak_tflops}: must be > 0 or null")
     check_wandb(cfg.wandb)
     check_optimizer(cfg.optim)
 
@@ -227,59 +191,18 @@ def validate(cfg: DictConfig, local_world_size: int | None = None, simulated: bo
             f"launcher.max_restarts={restarts}: must be an integer >= 0 (0: a failed run stays failed)")
     check_checkpoints(cfg, to_plain(cfg))
 
-    device = enum_value(cfg.device)
-    backend = enum_value(cfg.backend)
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    require(
-        device != "cuda" or gpus >= 1,
-        "device=cuda but no CUDA GPU is visible; use device=cpu or device=auto",
-    )
-    if backend == "nccl" or (backend == "auto" and resolved_device(cfg) == "cuda"):
-        require(
-            resolved_device(cfg) == "cuda" and gpus >= local,
-            f"backend=nccl needs one CUDA GPU per local rank ({local} local ranks, {gpus} GPUs visible); "
-            "use backend=gloo (or device=cpu), or fewer ranks per machine",
-        )
-    require(
-        enum_value(cfg.precision) == "fp32" or resolved_device(cfg) == "cuda",
-        "precision=bf16 (autocast) is for CUDA; use precision=fp32 on CPU",
-    )
+    check_devices(cfg, local)
 
 
 def _validate_model(cfg: DictConfig) -> None:
-    """The model reads the data: its kind matches, and one forward pass on the meta device fits."""
+    """The model reads the data (one forward pass fits), and evaluation has what its metrics need."""
     try:
         spec = spec_for(cfg.data)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    require(not OmegaConf.is_missing(cfg.model, "target") if cfg.model.name == "custom" else True,
-             "model=custom needs model.target=<module.attr> of an nn.Module class or factory (e.g. torch.nn.Linear)")
-    kind = model_kind(cfg.model.name)
-    if kind.reads is not None:
-        readers = [d for d, data in DATA_KINDS.items() if data.reads == kind.reads]
-        require(spec.kind == kind.reads,
-                 f"model={cfg.model.name} cannot read data={cfg.data.name}; allowed: data={'|'.join(readers)}")
-    if kind.language:
-        require(cfg.data.seq_len <= cfg.model.get("n_positions", cfg.data.seq_len),
-                 f"data.seq_len={cfg.data.seq_len} exceeds model.n_positions={cfg.model.get('n_positions')}; "
-                 "lower data.seq_len or raise model.n_positions")
-        require(cfg.model.d_model % cfg.model.n_head == 0,
-                 f"model.d_model={cfg.model.d_model} does not divide by model.n_head={cfg.model.n_head}")
-    if cfg.model.name == "bert":
-        require(0 < cfg.model.mask_prob < 1, f"model.mask_prob={cfg.model.mask_prob}: must be in (0, 1)")
-        require(0 <= cfg.model.mask_token < cfg.data.vocab_size,
-                 f"model.mask_token={cfg.model.mask_token} is outside data.vocab_size={cfg.data.vocab_size}")
-    require(cfg.buffers in BUFFER_POLICIES, f"buffers={cfg.buffers}: allowed: {'|'.join(BUFFER_POLICIES)}")
-    require(not cfg.sync_bn or resolved_device(cfg) == "cuda",
-             "sync_bn=true: torch's SyncBatchNorm runs on CUDA only; use buffers=broadcast|average on CPU")
-    require(cfg.peak_tflops is None or cfg.peak_tflops > 0, f"peak_tflops={cfg.peak_tflops}: must be > 0 or null")
-    if cfg.model.name == "custom":
-        check_model_call(cfg.model)
+    reads = model_kind(cfg.model.name).reads
+    check_model(cfg, spec, [d for d, data in DATA_KINDS.items() if data.reads == reads])
     check_eval(cfg, heldout_of(cfg.data), metrics_of(spec, model_call(cfg.model).has_logits))
-    try:
-        check_fits(cfg.model, spec)
-    except ValueError as exc:
-        raise ConfigError(f"{exc}") from None
 
 
 def _validate_compress(cfg: DictConfig) -> None:
@@ -315,14 +238,6 @@ def _validate_across(cfg: DictConfig) -> None:
 def to_plain(cfg: DictConfig) -> dict[str, Any]:
     """The resolved config as plain Python (enums as strings): what ranks receive."""
     return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
-
-
-def short_dirname(name: str, limit: int = 200) -> str:
-    """A sweep job's directory name within file systems' 255-byte limit: a long list of overrides
-    is cut and ends in a hash of the whole, so names stay unique and readable."""
-    if len(name.encode()) <= limit:
-        return name
-    return f"{name.encode()[: limit - 17].decode(errors='ignore')}-{hashlib.sha256(name.encode()).hexdigest()[:16]}"
 
 
 # Importing this module makes the schemas (and the resolver that config.yaml's sweep subdir uses)

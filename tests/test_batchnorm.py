@@ -38,7 +38,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     jobs = {}
     for name, args in sweeps.items():
         out = root / name
-        # Long override lists: the job directories' names are cut (testbed.config.short_dirname).
+        # Long override lists: the job directories' names are cut (testbed.paths.short_dirname).
         proc = run_cli(["-m", *args, *COMMON, f"hydra.sweep.dir={out}"], cwd=root, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         for summary in out.rglob("summary.json"):

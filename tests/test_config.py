@@ -18,7 +18,7 @@ from testbed import config
 from testbed.batch import global_batch, per_rank_batch
 from testbed.checks import resolved_backend, resolved_device
 from testbed.config import ConfigError, validate
-from testbed.paths import config_dir
+from testbed.paths import config_dir, short_dirname
 from testbed.preflight import check_command_line
 from testbed.sweeps import excluded
 
@@ -188,10 +188,10 @@ def test_a_sweep_leaves_out_the_points_it_excludes() -> None:
 
 def test_long_override_lists_give_short_unique_job_directories() -> None:
     long = ",".join(f"model.key{i}=value{i}" for i in range(20))  # 359 bytes: over the file-name limit
-    assert config.short_dirname("sync=ring,world_size=2") == "sync=ring,world_size=2"
-    cut = config.short_dirname(long)
+    assert short_dirname("sync=ring,world_size=2") == "sync=ring,world_size=2"
+    cut = short_dirname(long)
     assert len(cut.encode()) <= 200 and cut.startswith("model.key0=value0,")
-    assert cut != config.short_dirname(long.replace("value19", "value20"))  # the hash keeps them apart
+    assert cut != short_dirname(long.replace("value19", "value20"))  # the hash keeps them apart
 
 
 def test_a_results_directory_that_cannot_hold_results_is_refused_before_anything_runs(tmp_path: Path) -> None:

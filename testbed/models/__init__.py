@@ -16,12 +16,21 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from testbed.checks import ConfigError, require
 from testbed.data import DataSpec
-from testbed.models.call import example_batch, model_call
+from testbed.models.call import check_model_call, example_batch, model_call
 from testbed.models.cnn import ResNet as SmallResNet
 from testbed.models.cnn1d import Cnn1d
 from testbed.models.custom import build_custom
-from testbed.models.language import MaskedHeldOut, MaskedTokens, build_bert, build_gpt2, flops_per_token
+from testbed.models.language import (
+    MaskedHeldOut,
+    MaskedTokens,
+    build_bert,
+    build_gpt2,
+    check_bert,
+    check_language,
+    flops_per_token,
+)
 from testbed.models.mlp import Mlp
 from testbed.models.resnet import resnet
 from testbed.models.schema import (
@@ -51,6 +60,7 @@ class ModelKind:
     objective: Callable[..., Any] | None = None
     # The same objective over the held-out split (testbed.eval), alike on every rank; None: as is.
     heldout_objective: Callable[..., Any] | None = None
+    check: Callable[[Any], None] = lambda cfg: None  # its own fields' checks, given the whole config
 
 
 def _resnet(depth: int) -> Callable[[Any, DataSpec], nn.Module]:
@@ -67,14 +77,15 @@ MODELS: dict[str, ModelKind] = {
                      "classification"),
     "cnn1d": ModelKind(Cnn1dConfig, lambda cfg, spec: Cnn1d(spec.input_numel, spec.num_classes, cfg.channels), "classification"),
     "transformer": ModelKind(TransformerConfig, lambda cfg, spec: Gpt(spec.vocab_size, spec.seq_len, cfg.d_model, cfg.n_layer, cfg.n_head),
-                             "lm", language=True),
+                             "lm", language=True, check=check_language),
     "resnet18": ModelKind(ResNet18Config, _resnet(18), "classification"),
     "resnet50": ModelKind(ResNetConfig, _resnet(50), "classification"),
     "resnet101": ModelKind(ResNet101Config, _resnet(101), "classification"),
     "vgg16": ModelKind(VggConfig, lambda cfg, spec: vgg16(spec.num_classes, spec.shape[0], cfg.width, cfg.hidden, cfg.dropout),
                        "classification"),
-    "gpt2": ModelKind(LanguageModelConfig, build_gpt2, "lm", language=True),
-    "bert": ModelKind(BertConfig, build_bert, "lm", language=True, objective=MaskedTokens, heldout_objective=MaskedHeldOut),
+    "gpt2": ModelKind(LanguageModelConfig, build_gpt2, "lm", language=True, check=check_language),
+    "bert": ModelKind(BertConfig, build_bert, "lm", language=True, objective=MaskedTokens, heldout_objective=MaskedHeldOut,
+                      check=check_bert),
     "custom": ModelKind(CustomModelConfig, build_custom, None),
 }
 
@@ -87,6 +98,23 @@ def model_kind(name: str) -> ModelKind:
 
 def build_model(cfg: Any, spec: DataSpec) -> nn.Module:
     return model_kind(cfg.name).build(cfg, spec)
+
+
+def check_model(cfg: Any, spec: DataSpec, readers: list[str]) -> None:
+    """The model reads the data (``readers``: the data kinds that give what it reads), its own
+    fields hold, and one forward pass fits (``cfg``: the whole config)."""
+    require(not OmegaConf.is_missing(cfg.model, "target") if cfg.model.name == "custom" else True,
+            "model=custom needs model.target=<module.attr> of an nn.Module class or factory (e.g. torch.nn.Linear)")
+    kind = model_kind(cfg.model.name)
+    require(kind.reads is None or spec.kind == kind.reads,
+            f"model={cfg.model.name} cannot read data={cfg.data.name}; allowed: data={'|'.join(readers)}")
+    kind.check(cfg)
+    if cfg.model.name == "custom":
+        check_model_call(cfg.model)
+    try:
+        check_fits(cfg.model, spec)
+    except ValueError as exc:
+        raise ConfigError(f"{exc}") from None
 
 
 def objective_batches(cfg: Any, batches: Any, spec: DataSpec, seed: int, rank: int) -> Any:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from testbed.checks import require
 from testbed.data.spec import DataSpec
 
 POSITIONAL = (".position_embeddings.", ".wpe.", ".pos.")  # BERT's, GPT-2's and the small transformer's
@@ -120,3 +121,19 @@ class MaskedHeldOut:
 
     def close(self) -> None:
         self.batches.close()
+
+
+def check_language(cfg: Any) -> None:
+    """A language model's fields against the data's sequences (``cfg``: the whole config)."""
+    require(cfg.data.seq_len <= cfg.model.get("n_positions", cfg.data.seq_len),
+            f"data.seq_len={cfg.data.seq_len} exceeds model.n_positions={cfg.model.get('n_positions')}; "
+            "lower data.seq_len or raise model.n_positions")
+    require(cfg.model.d_model % cfg.model.n_head == 0,
+            f"model.d_model={cfg.model.d_model} does not divide by model.n_head={cfg.model.n_head}")
+
+
+def check_bert(cfg: Any) -> None:
+    check_language(cfg)
+    require(0 < cfg.model.mask_prob < 1, f"model.mask_prob={cfg.model.mask_prob}: must be in (0, 1)")
+    require(0 <= cfg.model.mask_token < cfg.data.vocab_size,
+            f"model.mask_token={cfg.model.mask_token} is outside data.vocab_size={cfg.data.vocab_size}")

@@ -23,7 +23,7 @@ from typing import Any
 import pandas as pd
 
 from testbed.collectives.registry import COLLECTIVES
-from testbed.config import short_dirname
+from testbed.paths import short_dirname
 from testbed.results.format import markdown_table, text_table
 from testbed.sim import calibrate
 from testbed.tune.space import Candidate, Screen
