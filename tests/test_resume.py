@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,14 +26,37 @@ def run(tmp_path: Path, name: str, overrides: list[str], expect: int = 0) -> Pat
     return job
 
 
+Shared = Callable[..., Path]
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Shared:
+    """Runs that several tests read (the uninterrupted reference, the killed run), each made once:
+    the same overrides, in any order, give the same job directory. Tests only read them."""
+    root = tmp_path_factory.mktemp("shared")
+    made: dict[tuple[str, ...], Path] = {}
+
+    def job(overrides: list[str], expect: int = 0) -> Path:
+        key = tuple(sorted(overrides))
+        if key not in made:
+            made[key] = run(root, f"job{len(made)}", overrides, expect)
+        return made[key]
+
+    return job
+
+
+KILLED_AT_9 = ["checkpoint.every=4", "fault=kill_rank", "fault.step=9"]  # checkpoints after steps 3 and 7
+
+
 @pytest.mark.parametrize("sync", ["allreduce", "ring", "local_sgd", "ps"])
-def test_a_resumed_run_ends_bitwise_equal_to_an_uninterrupted_one(tmp_path: Path, sync: str) -> None:
+def test_a_resumed_run_ends_bitwise_equal_to_an_uninterrupted_one(tmp_path: Path, shared: Shared, sync: str) -> None:
     # Momentum makes the optimizer state matter; local SGD keeps one replica per rank.
     # The parameter server keeps the optimizer: its shards checkpoint and restore their own state.
     extra = {"local_sgd": ["sync.period=3"], "ps": ["sync.servers=2"]}.get(sync, [])
     setting = [f"sync={sync}", "optim.momentum=0.9", *extra]
-    whole = read_json(run(tmp_path, "whole", setting) / "summary.json")
-    killed = run(tmp_path, "killed", [*setting, "checkpoint.every=4", "fault=kill_rank", "fault.step=9"], expect=1)
+    whole_dir = shared(setting)
+    whole = read_json(whole_dir / "summary.json")
+    killed = shared([*setting, *KILLED_AT_9], expect=1)
     assert checkpoint.checkpoint_step(checkpoint.latest(killed)) == 7  # after steps 3 and 7; killed in step 9
     resumed_dir = run(tmp_path, "resumed", [*setting, f"resume={killed}"])
     resumed = read_json(resumed_dir / "summary.json")
@@ -40,16 +65,16 @@ def test_a_resumed_run_ends_bitwise_equal_to_an_uninterrupted_one(tmp_path: Path
     for rank in (0, 1):
         records = read_jsonl(resumed_dir / "metrics" / f"rank{rank}.jsonl")
         assert [r["step"] for r in records] == list(range(12))
-        assert [r["loss"] for r in records] == [r["loss"] for r in read_jsonl(tmp_path / "whole" / "metrics" / f"rank{rank}.jsonl")]
+        assert [r["loss"] for r in records] == [r["loss"] for r in read_jsonl(whole_dir / "metrics" / f"rank{rank}.jsonl")]
 
 
 @pytest.mark.parametrize("sync", ["allreduce", "ring", "ps"])
-def test_a_restarted_run_ends_ok_and_bitwise_equal_to_an_uninterrupted_one(tmp_path: Path, sync: str) -> None:
+def test_a_restarted_run_ends_ok_and_bitwise_equal_to_an_uninterrupted_one(tmp_path: Path, shared: Shared, sync: str) -> None:
     # The parameter server's shards are started again too, from their own part of the checkpoint.
     setting = [f"sync={sync}", "optim.momentum=0.9", *(["sync.servers=2"] if sync == "ps" else [])]
-    whole = read_json(run(tmp_path, "whole", setting) / "summary.json")
-    job = run(tmp_path, "restarted", [*setting, "checkpoint.every=4", "fault=kill_rank", "fault.step=9",
-                                      "launcher.max_restarts=2"])  # fmt: skip
+    whole_dir = shared(setting)
+    whole = read_json(whole_dir / "summary.json")
+    job = run(tmp_path, "restarted", [*setting, *KILLED_AT_9, "launcher.max_restarts=2"])
     summary = read_json(job / "summary.json")
     assert summary["status"] == "ok" and summary["restarts"] == 1 and summary["steps"] == 12
     assert summary["param_hash"] == whole["param_hash"]  # restarted after step 7, bitwise as if never killed
@@ -60,7 +85,7 @@ def test_a_restarted_run_ends_ok_and_bitwise_equal_to_an_uninterrupted_one(tmp_p
     for rank in (0, 1):
         records = read_jsonl(job / "metrics" / f"rank{rank}.jsonl")
         assert [r["step"] for r in records] == list(range(12))
-        assert [r["loss"] for r in records] == [r["loss"] for r in read_jsonl(tmp_path / "whole" / "metrics" / f"rank{rank}.jsonl")]
+        assert [r["loss"] for r in records] == [r["loss"] for r in read_jsonl(whole_dir / "metrics" / f"rank{rank}.jsonl")]
 
 
 @pytest.mark.parametrize("sync", ["ps_async", "ps_ssp"])
@@ -101,10 +126,10 @@ def test_checkpoints_keep_the_newest(tmp_path: Path) -> None:
     assert manifest["step"] == 9 and sorted(manifest["files"]) == ["rank0.pt", "rank1.pt"]
 
 
-def test_a_corrupted_newest_checkpoint_is_named_and_resume_falls_back_to_the_one_before(tmp_path: Path) -> None:
+def test_a_corrupted_newest_checkpoint_is_named_and_resume_falls_back_to_the_one_before(tmp_path: Path, shared: Shared) -> None:
     setting = ["sync=ps", "sync.servers=2", "optim.momentum=0.9"]  # the shards' files are in the manifest too
-    whole = read_json(run(tmp_path, "whole", setting) / "summary.json")
-    killed = run(tmp_path, "killed", [*setting, "checkpoint.every=4", "fault=kill_rank", "fault.step=9"], expect=1)
+    whole = read_json(shared(setting) / "summary.json")
+    killed = shutil.copytree(shared([*setting, *KILLED_AT_9], expect=1), tmp_path / "killed")  # corrupted below
     newest = killed / "checkpoints" / "step0000007"
     assert sorted(json.loads((newest / "manifest.json").read_text())["files"]) == ["ps0.pt", "ps1.pt", "rank0.pt", "rank1.pt"]
     corrupted = newest / "ps1.pt"
