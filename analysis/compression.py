@@ -29,8 +29,9 @@ def codec_runs(runs: pd.DataFrame) -> pd.DataFrame:
     """The ok runs with their synchronizer option and codec apart (from ``option``: 'ring+topk')."""
     ok = runs[runs["status"] == "ok"].copy()
     option = ok["option"].str.replace(" (simulated)", "", regex=False)
-    ok["sync_option"] = option.str.split("+").str[0]
-    ok["codec"] = option.str.split("+").str[1].fillna("none")
+    parts = option.str.partition("+")  # columns: before, "+", after ("" without a codec)
+    ok["sync_option"] = parts[0]
+    ok["codec"] = parts[2].replace("", "none")
     return ok
 
 
