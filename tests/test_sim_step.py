@@ -7,8 +7,11 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import read_json, run_cli
+from custom_models import GPT, GPTConfig
 from hydra import compose, initialize_config_dir
+from torch.utils.flop_counter import FlopCounterMode
 
 from testbed.checks import ConfigError
 from testbed.costs import Cost, Link, parameter_server, ring
@@ -70,6 +73,20 @@ def test_gradients_are_ready_as_backward_passes_their_layers() -> None:
     assert fc / sum(sizes) > 0.85 and ready[5] < 0.01
     assert ready[-1] == pytest.approx(1.0)
     assert gradient_ready(cfg_of(["sim.gradient_mb=10"])) is None  # a model the testbed does not build
+
+
+def test_a_model_that_computes_its_own_loss_is_counted_with_its_targets() -> None:
+    """nanoGPT without targets runs its head on the last position alone; the trainer passes them, so
+    the head's gradient, first in backward, is ready after its share of the whole forward's FLOPs."""
+    cfg = cfg_of(["model=custom", "model.target=custom_models.GPT", "data=lm", "data.vocab_size=64", "data.seq_len=16",
+                  "+model.kwargs.config={_target_:custom_models.GPTConfig,vocab_size:64,block_size:16,n_embd:16}",
+                  "model.loss=model", "model.loss_from=1"])
+    model, tokens = GPT(GPTConfig(vocab_size=64, block_size=16, n_embd=16)), torch.zeros(1, 16, dtype=torch.long)
+    with FlopCounterMode(display=False) as counter:
+        model(tokens, tokens)
+    counts = counter.get_flop_counts()
+    head = sum(counts["GPT.lm_head"].values()) / sum(counts["Global"].values())
+    assert gradient_ready(cfg)[0] == pytest.approx(head)  # lm_head.weight, the last parameter defined
 
 
 @pytest.mark.parametrize("n", [2, 4, 64, 1024])

@@ -39,7 +39,8 @@ from testbed.collectives.common import chunk_bounds
 from testbed.costs import ZERO, Cost, Link, allgather
 from testbed.data import spec_for
 from testbed.imbalance import shard_batches
-from testbed.models import build_model, example_input
+from testbed.models import build_model
+from testbed.models.call import example_batch, model_call
 from testbed.netem import parse_rate
 from testbed.paths import in_checkout
 from testbed.results.summary import summarize
@@ -136,7 +137,8 @@ def gradient_ready(cfg: Any) -> list[float] | None:
 
 @functools.lru_cache(maxsize=16)
 def _ready_shares(workload: str) -> tuple[float, ...]:
-    model, spec = _meta_model(workload), spec_for(OmegaConf.create(json.loads(workload)[1]))
+    model_cfg, data_cfg = (OmegaConf.create(part) for part in json.loads(workload))
+    model, spec = _meta_model(workload), spec_for(data_cfg)
     with torch.device("meta"):
         first_use: dict[str, int] = {}
 
@@ -146,7 +148,9 @@ def _ready_shares(workload: str) -> tuple[float, ...]:
         leaves = [(name, m) for name, m in model.named_modules() if not list(m.children())]
         hooks = [m.register_forward_hook(seen(name)) for name, m in leaves]
         with FlopCounterMode(display=False) as counter:
-            model(example_input(spec, 1, "meta"))
+            # Called as the trainer calls it: a model that computes its own loss gets the targets too
+            # (nanoGPT's forward without them reads the last position alone).
+            model_call(model_cfg)(model, *example_batch(spec, 1, "meta"))
     for hook in hooks:
         hook.remove()
     counts = counter.get_flop_counts()
