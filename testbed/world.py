@@ -64,8 +64,8 @@ def init_world(device_kind: str, backend: str, timeout_s: float, debug: bool = F
     os.environ.setdefault("WORLD_SIZE", str(world_size))
     os.environ.setdefault("LOCAL_RANK", str(local_rank))
     if device_kind == "cuda":
-        # More local ranks than GPUs share them round-robin; only host-staging synchronizers under
-        # gloo get here that way (config refuses NCCL without one GPU per local rank).
+        # Under gloo more local ranks than GPUs share them round-robin (config refuses NCCL
+        # without one GPU per local rank).
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
