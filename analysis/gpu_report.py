@@ -2,7 +2,8 @@
 
 ``python -m analysis.gpu_report OUT`` reads ``OUT/runs`` (each part's exit status, log, job
 directory or JSON) and writes ``OUT/gpu_check.json``; ``python -m analysis.gpu_report --markdown
-docs/gpu.md docs/gpu/gpu_check.json`` renders a committed report as the manual's page.
+docs/gpu.md docs/gpu/gpu_check.json`` renders a committed report's tables into the manual's page,
+between its BEGIN and END markers (the reading of them above stays as written).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ TRAIN_KEYS = ("status", "error", "device", "backend", "global_batch", "throughpu
               "throughput_unit", "mfu", "peak_tflops", "flops_per_token", "step_time", "step_time_p10",
               "step_time_p90", "phases", "cuda_peak_bytes", "loss_first", "final_loss")
 OVERHEAD_TARGET, MFU_TARGET, TIMING_TOLERANCE = 0.97, 0.40, 0.10
+BEGIN, END = "<!-- gpu_report tables: begin -->", "<!-- gpu_report tables: end -->"
 
 
 def gather(out: Path) -> dict[str, Any]:
@@ -91,6 +93,20 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_tables(page: Path, text: str) -> None:
+    """``text``'s tables (from its first section on) between ``page``'s markers; the whole of
+    ``text`` where the page does not exist yet."""
+    if not page.exists():
+        page.write_text(text)
+        return
+    old = page.read_text()
+    if BEGIN not in old or END not in old:
+        raise SystemExit(f"{page} has no {BEGIN} ... {END} markers to render the tables between")
+    tables = text[text.index("\n## ") + 1:]
+    head, rest = old.split(BEGIN, 1)
+    page.write_text(f"{head}{BEGIN}\n{tables}{END}{rest.split(END, 1)[1]}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m analysis.gpu_report", description=__doc__.splitlines()[0])
     parser.add_argument("source", help="the check's OUT directory, or a gpu_check.json with --markdown")
@@ -104,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         report = json.loads(source.read_text())
     text = markdown(report)
     if args.markdown:
-        Path(args.markdown).write_text(text)
+        write_tables(Path(args.markdown), text)
     print(text)
     return 0
 

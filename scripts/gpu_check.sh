@@ -4,7 +4,8 @@
 # timing by CUDA events against synchronize-bracketed timing, and host<->device staging bandwidth.
 # Every part has its own time limit inside BUDGET_S, so one that hangs costs only its share.
 # Results land in $OUT (default gpu-results/): gpu_check.json (the report), gpu_check.log and
-# runs.tgz (job directories, each part's log and JSON). docs/gpu.md is written from gpu_check.json.
+# runs.tgz (job directories, each part's log and JSON). docs/gpu.md's tables are rendered from
+# gpu_check.json: python -m analysis.gpu_report --markdown docs/gpu.md docs/gpu/gpu_check.json
 #   OUT=gpu-results bash scripts/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."

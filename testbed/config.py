@@ -26,7 +26,7 @@ from testbed.eval.schedule import check_schedule
 from testbed.faults import FAULTS
 from testbed.help import app_help
 from testbed.imbalance import IMBALANCES
-from testbed.models import MODELS, check_model, model_kind
+from testbed.models import MODELS, check_fits, check_model, model_kind
 from testbed.models.call import model_call
 from testbed.network import NETWORKS
 from testbed.optim import SCHEMAS as OPTIM_SCHEMAS
@@ -203,6 +203,10 @@ def _validate_model(cfg: DictConfig) -> None:
     reads = model_kind(cfg.model.name).reads
     check_model(cfg, spec, [d for d, data in DATA_KINDS.items() if data.reads == reads])
     check_eval(cfg, heldout_of(cfg.data), metrics_of(spec, model_call(cfg.model).has_logits))
+    try:  # last: a forward pass, seconds on the meta device for a large model
+        check_fits(cfg.model, spec)
+    except ValueError as exc:
+        raise ConfigError(f"{exc}") from None
 
 
 def _validate_compress(cfg: DictConfig) -> None:

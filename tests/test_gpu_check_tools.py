@@ -41,4 +41,4 @@ def test_gpu_page_shows_the_committed_report() -> None:
     assert len(rows) >= 20
     page = (ROOT / "docs" / "gpu.md").read_text()
     missing = [row for row in rows if row not in page]
-    assert not missing, f"docs/gpu.md lacks rows of its report; rerender with python -m analysis.gpu_report: {missing}"
+    assert not missing, f"docs/gpu.md lacks rows of its report; rerender them with python -m analysis.gpu_report --markdown docs/gpu.md docs/gpu/gpu_check.json: {missing}"

@@ -31,7 +31,7 @@ from testbed.checks import enum_value, resolved_backend, resolved_device
 from testbed.data import build_data
 from testbed.data.batches import BatchSource
 from testbed.models import build_model, objective_batches
-from testbed.models.call import cross_entropy, model_call
+from testbed.models.call import ModelCall, cross_entropy, model_call
 from testbed.optim import build_optimizer
 from testbed.paths import config_dir
 from testbed.results.step_log import StepLog
@@ -42,15 +42,16 @@ from testbed.trainer import Trainer
 from testbed.world import World
 
 
-def plain_loop(model, optimizer, batches, steps: int, device: torch.device, bf16: bool) -> float:
-    """The loop a user would write by hand; returns seconds for ``steps`` steps."""
+def plain_loop(model, optimizer, batches, steps: int, device: torch.device, bf16: bool, call: ModelCall) -> float:
+    """The loop a user would write by hand; returns seconds for ``steps`` steps. A model that
+    computes its own loss (``model.loss=model``) is called as the trainer calls it."""
     synchronize(device)
     start = time.perf_counter()
     for step in range(steps):
         x, y = batches.batch(step)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss = cross_entropy(model(x), y)
+            loss = cross_entropy(model(x), y) if call.loss_from is None else call(model, x, y).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -106,7 +107,7 @@ class SingleRank:
 
     def run_plain(self, steps: int) -> float:
         batches = self.data()[1]
-        elapsed = plain_loop(*self.fresh(), batches, steps, self.device, self.bf16)
+        elapsed = plain_loop(*self.fresh(), batches, steps, self.device, self.bf16, model_call(self.cfg.model))
         batches.close()
         return elapsed
 

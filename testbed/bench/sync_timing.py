@@ -57,6 +57,8 @@ def measure(overrides: list[str], steps: int) -> dict:
     rank = SingleRank(overrides)
     if steps <= WARMUP:
         raise SystemExit(f"--steps={steps}: must exceed the {WARMUP} warm-up steps")
+    if rank.cfg.sync.accumulate != 1:  # the brackets are per synchronization, the medians per step
+        raise SystemExit(f"sync.accumulate={rank.cfg.sync.accumulate}: this benchmark times one synchronization per step; use 1")
     owned = not dist.is_initialized()
     if owned:  # one rank, its own store: the collectives run, with no peer
         dist.init_process_group(rank.world.backend, store=dist.HashStore(), rank=0, world_size=1)

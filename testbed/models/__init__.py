@@ -16,7 +16,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from testbed.checks import ConfigError, require
+from testbed.checks import require
 from testbed.data import DataSpec
 from testbed.models.call import check_model_call, example_batch, model_call
 from testbed.models.cnn import ResNet as SmallResNet
@@ -101,8 +101,8 @@ def build_model(cfg: Any, spec: DataSpec) -> nn.Module:
 
 
 def check_model(cfg: Any, spec: DataSpec, readers: list[str]) -> None:
-    """The model reads the data (``readers``: the data kinds that give what it reads), its own
-    fields hold, and one forward pass fits (``cfg``: the whole config)."""
+    """The model reads the data (``readers``: the data kinds that give what it reads) and its own
+    fields hold (``cfg``: the whole config). Whether one forward pass fits is ``check_fits``'s."""
     require(not OmegaConf.is_missing(cfg.model, "target") if cfg.model.name == "custom" else True,
             "model=custom needs model.target=<module.attr> of an nn.Module class or factory (e.g. torch.nn.Linear)")
     kind = model_kind(cfg.model.name)
@@ -111,10 +111,6 @@ def check_model(cfg: Any, spec: DataSpec, readers: list[str]) -> None:
     kind.check(cfg)
     if cfg.model.name == "custom":
         check_model_call(cfg.model)
-    try:
-        check_fits(cfg.model, spec)
-    except ValueError as exc:
-        raise ConfigError(f"{exc}") from None
 
 
 def objective_batches(cfg: Any, batches: Any, spec: DataSpec, seed: int, rank: int) -> Any:
@@ -127,10 +123,6 @@ def model_heldout(cfg: Any, heldout: Any, spec: DataSpec, seed: int) -> Any:
     """The held-out split the model is evaluated on: BERT masks it; the others read it as is."""
     objective = model_kind(cfg.name).heldout_objective
     return heldout if objective is None else objective(heldout, cfg, spec.vocab_size, seed)
-
-
-def example_input(spec: DataSpec, batch: int, device: str | torch.device) -> torch.Tensor:
-    return example_batch(spec, batch, device)[0]
 
 
 # Below this many parameters a forward pass on the CPU takes milliseconds, while the meta device's

@@ -5,7 +5,7 @@ Parameters and gradients live in two flat buffers that the model's tensors view:
 parameters in place and pushes read the gradients in place, with no per-step allocation. On CUDA
 gRPC still carries host memory: each shard's gradients are copied into a pinned host buffer before
 it is pushed, and the pulled parameters are copied up to the device after each pull (staging; its
-time is part of ``t_sync``).
+time is part of ``t_sync``, or of ``t_backward`` for the shards ``sync.overlap`` pushes during it).
 
 With ``sync.overlap`` each shard is pushed from backward's hooks as soon as every parameter it
 holds has its gradient, while backward goes on; shards stay whole pushes, so the servers validate
@@ -119,7 +119,10 @@ class ParameterServerSync(Synchronizer):
             lo, hi = offset, offset + p.numel()
             offset = hi
             shards_of[id(p)] = [i for i, (a, b) in enumerate(bounds) if a < hi and lo < b]
-        self._pushes = ThreadPoolExecutor(max_workers=len(bounds), thread_name_prefix="ps-push")
+        cuda = self.world.device.type == "cuda"  # the push threads stage from this rank's GPU
+        self._pushes = ThreadPoolExecutor(max_workers=len(bounds), thread_name_prefix="ps-push",
+                                          initializer=torch.cuda.set_device if cuda else None,
+                                          initargs=(self.world.device,) if cuda else ())
         self._launched: dict[int, Future] = {}
         self._readiness = GradReadiness(params, lambda p: shards_of[id(p)], len(bounds), self._launch)
 
@@ -194,13 +197,16 @@ class ParameterServerSync(Synchronizer):
         if self.cfg.mode == "sync" or self.finalized:
             yield self.model, {"model": "replicas"}  # every replica holds the servers' parameters
             return
-        pulled = torch.empty_like(self.host_params)
         dist.barrier()  # every worker's push of this step is in: the model after it, whatever the order
         behind = torch.zeros(1, dtype=torch.int64, device=self.world.device)
+        current = torch.empty_like(self.flat_params)  # broadcast from the device: NCCL carries no host tensors
         if self.world.rank == 0:
+            staged = self.host_params is not self.flat_params
+            pulled = torch.empty_like(self.host_params) if staged else current
             versions = self.client.pull([pulled[lo:hi] for lo, hi in self.bounds], self.clock, full=True).versions
             behind[0] = sum(versions) - sum(self.versions)
-        current = pulled.to(self.world.device)  # broadcast from the device: NCCL carries no host tensors
+            if staged:
+                current.copy_(pulled)
         dist.broadcast(current, src=0)
         dist.broadcast(behind, src=0)
         with holding(self.flat_params, current):
