@@ -173,9 +173,21 @@ def describe_composition_error(exc: BaseException) -> str:
         key = str(inner.full_key)
         first = str(getattr(inner, "msg", inner)).splitlines()[0]
         if "not in" in first or "not in struct" in first:
-            return f"{key}: unknown key; allowed keys here: {', '.join(_keys(getattr(inner, 'object_type', None)))}"
+            return f"{key}: unknown key; allowed keys here: {', '.join(_keys(getattr(inner, 'object_type', None)))}" + _owners(key)
         return f"{key}: {first}"
     return " ".join(str(exc).split())
+
+
+def _owners(key: str) -> str:
+    """For an option of another synchronizer: which ones have it, and why this one cannot."""
+    group, _, name = key.partition(".")
+    if group != "sync":
+        return ""
+    owners = [spec for spec in SYNCHRONIZERS.values() if name in {f.name for f in dataclasses.fields(spec.schema)}]
+    if not owners:
+        return ""
+    why = next((spec.exclusive[name] for spec in owners if name in spec.exclusive), "")
+    return f"; {name} is an option of sync={'|'.join(spec.name for spec in owners)}" + (f": {why}" if why else "")
 
 
 def _options(group: str) -> list[str]:

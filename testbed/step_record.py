@@ -39,6 +39,10 @@ class StepRecord:
     # Only some synchronizers report these: the line has them only when they are set.
     staleness: int | None = None
     residual_norm: float | None = None
+    # Backup workers: 1 when this rank's gradient came too late and its update left it out (its
+    # ``samples`` are then 0). A step the rank sat out, its update made before the rank could
+    # begin, has ``samples`` 0, ``loss`` None and ``dropped`` 0.
+    dropped: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The step log's object: every field in order, an optional one only when set."""
@@ -64,5 +68,5 @@ class StepRecord:
 
 
 ALL_FIELDS = tuple(f.name for f in fields(StepRecord))
-OPTIONAL_FIELDS = ("staleness", "residual_norm")
+OPTIONAL_FIELDS = ("staleness", "residual_norm", "dropped")
 FIELDS = tuple(name for name in ALL_FIELDS if name not in OPTIONAL_FIELDS)  # in every line, in this order

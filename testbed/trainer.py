@@ -77,10 +77,9 @@ class Trainer:
         self.began = time.perf_counter()  # the run's clock (MLPerf's: it never stops, evaluation included)
 
     def run(self) -> list[StepRecord]:
-        device, world, sync = self.world.device, self.world, self.sync
+        world, sync = self.world, self.sync
         k = sync.accumulate
-        clock = StepClock(device, world.clock_offset_s, micro_steps=k)
-        non_blocking = device.type == "cuda"
+        clock = StepClock(world.device, world.clock_offset_s, micro_steps=k)
         records: list[StepRecord] = []
         last_compute: float | None = None
         # Each micro-batch's mean counts 1/k: the window's gradient is that of its whole batch.
@@ -92,32 +91,14 @@ class Trainer:
                 self.fault.before_step(step)
             lr = self._set_lr(step)
             clock.start()
-            losses, samples = [], 0
-            for micro in range(k):
-                boundary = micro == k - 1
-                inputs, targets = self.batches.batch(step * k + micro)
-                inputs = inputs.to(device, non_blocking=non_blocking)
-                targets = targets.to(device, non_blocking=non_blocking)
-                clock.mark("data")
-                if micro == 0:  # a slow rank is slow before its compute, so its gradients come late
-                    if self.injector is not None:
-                        self.injector.wait(last_compute)
-                    clock.mark("injected")
-                with sync.micro_step(boundary):
-                    with self.autocast:
-                        loss = self.call(sync.module, inputs, targets).loss
-                        if self.fault is not None:
-                            loss = self.fault.loss(step, loss)
-                    clock.mark("forward")
-                    (loss * scale if scale != 1.0 else loss).backward()
-                    clock.mark("backward")
-                report = self._synchronize(step, boundary)
-                if boundary and report.replicas_agree and self.buffers is not None:
-                    moved = self.buffers.sync()
-                    report.bytes_sent, report.bytes_recv = report.bytes_sent + moved, report.bytes_recv + moved
+            if sync.takes_part(step):
+                losses, samples, report = self._compute(step, clock, scale, last_compute)
+            else:  # the step's update is made without this rank (backup workers): it catches up
+                for phase in ("data", "injected", "forward", "backward"):
+                    clock.mark(phase)
+                report = self._synchronize(step, boundary=True, sits_out=True)
                 clock.mark("sync")
-                losses.append(loss.detach())
-                samples += int(inputs.shape[0])
+                losses, samples = [], 0
             if not sync.steps_optimizer:
                 self.optimizer.step()
             sync.zero_grad()
@@ -127,8 +108,8 @@ class Trainer:
             record = StepRecord(
                 step=step,
                 rank=world.rank,
-                samples=samples,
-                loss=(losses[0] if k == 1 else torch.stack(losses).mean()).item(),
+                samples=0 if report.dropped else samples,  # the samples the update took
+                loss=(losses[0] if len(losses) == 1 else torch.stack(losses).mean()).item() if losses else None,
                 t_data=phases["data"],
                 t_injected=phases["injected"],
                 t_forward=phases["forward"],
@@ -148,11 +129,13 @@ class Trainer:
                 lr=lr,
                 staleness=report.staleness,
                 residual_norm=report.residual_norm,
+                dropped=None if report.dropped is None else int(report.dropped),
             )
-            last_compute = real_compute_time(record)
+            if losses:
+                last_compute = real_compute_time(record)
             self.step_log.write(record)
             records.append(record)
-            if not math.isfinite(record.loss):  # recorded, then stop: NaN gradients spread to every replica
+            if record.loss is not None and not math.isfinite(record.loss):  # recorded, then stop: NaN spreads
                 raise NonFiniteLoss(f"rank {world.rank}: loss is {record.loss} at step {step}")
             if self.on_record is not None:
                 self.on_record(record)
@@ -171,6 +154,41 @@ class Trainer:
                     break
         return records
 
+    def _compute(
+        self, step: int, clock: StepClock, scale: float, last_compute: float | None
+    ) -> tuple[list[torch.Tensor], int, SyncReport]:
+        """Data, forward, backward and synchronization of each micro-step of ``step``: the losses,
+        the samples, and the boundary's synchronization report."""
+        sync, device, k = self.sync, self.world.device, self.sync.accumulate
+        non_blocking = device.type == "cuda"
+        losses, samples = [], 0
+        for micro in range(k):
+            boundary = micro == k - 1
+            inputs, targets = self.batches.batch(step * k + micro)
+            inputs = inputs.to(device, non_blocking=non_blocking)
+            targets = targets.to(device, non_blocking=non_blocking)
+            clock.mark("data")
+            if micro == 0:  # a slow rank is slow before its compute, so its gradients come late
+                if self.injector is not None:
+                    self.injector.wait(last_compute)
+                clock.mark("injected")
+            with sync.micro_step(boundary):
+                with self.autocast:
+                    loss = self.call(sync.module, inputs, targets).loss
+                    if self.fault is not None:
+                        loss = self.fault.loss(step, loss)
+                clock.mark("forward")
+                (loss * scale if scale != 1.0 else loss).backward()
+                clock.mark("backward")
+            report = self._synchronize(step, boundary)
+            if boundary and report.replicas_agree and self.buffers is not None:
+                moved = self.buffers.sync()
+                report.bytes_sent, report.bytes_recv = report.bytes_sent + moved, report.bytes_recv + moved
+            clock.mark("sync")
+            losses.append(loss.detach())
+            samples += int(inputs.shape[0])
+        return losses, samples, report
+
     def _set_lr(self, step: int) -> float:
         """This step's learning rate on the optimizer, before anything steps it (a synchronizer that
         steps its own, local SGD, reads it there; parameter servers follow the same schedule)."""
@@ -181,13 +199,16 @@ class Trainer:
             group["lr"] = lr
         return lr
 
-    def _synchronize(self, step: int, boundary: bool) -> SyncReport:
+    def _synchronize(self, step: int, boundary: bool, sits_out: bool = False) -> SyncReport:
+        def synchronize() -> SyncReport:
+            return self.sync.sit_out(step) if sits_out else self.sync.after_backward(step, is_boundary=boundary)
+
         if self.arrivals is None or not boundary:
-            return self.sync.after_backward(step, is_boundary=boundary)
+            return synchronize()
         self.arrivals.arrive(step)
         began = time.monotonic()
         try:
-            return self.sync.after_backward(step, is_boundary=boundary)
+            return synchronize()
         except Exception as exc:
             stall = self.arrivals.stall(step, time.monotonic() - began, exc)
             if stall is not None:
@@ -199,8 +220,8 @@ class Trainer:
         eta = elapsed / (done - self.start_step) * (self.steps - done)
         bar = "#" * (20 * done // self.steps)
         log.info(
-            "[%-20s] step %d/%d  loss %.4f  step %.1f ms  sync %.1f ms  elapsed %.1fs  eta %.1fs",
-            bar, done, self.steps, record.loss, 1e3 * record.t_step, 1e3 * record.t_sync, elapsed, eta,
+            "[%-20s] step %d/%d  loss %s  step %.1f ms  sync %.1f ms  elapsed %.1fs  eta %.1fs",
+            bar, done, self.steps, "-" if record.loss is None else f"{record.loss:.4f}", 1e3 * record.t_step, 1e3 * record.t_sync, elapsed, eta,
         )
 
 

@@ -347,3 +347,64 @@ def test_sync_update_runs_block_by_block_and_a_failed_one_is_reported(monkeypatc
     internal = (grpc.StatusCode.INTERNAL, "shard 0: the update failed: RuntimeError: no memory")
     assert refusal(lambda: pull(shard, 1, clock=2)) == internal
     assert refusal(lambda: push(shard, 0, 2.0, 2)) == internal
+
+
+def make_backup_shard(workers: int, backup: int) -> Shard:
+    shard = Shard(0, workers, "sync", 0, SgdConfig(lr=LR, momentum=0.0), chunk_bytes=4 * CHUNK, backup_workers=backup)
+    assert shard.init_params(iter(chunks(INITIAL, worker=0, step=NUMEL))).backup_workers == backup
+    return shard
+
+
+def test_backup_workers_update_with_the_mean_of_exactly_the_first_pushes() -> None:
+    shard = make_backup_shard(workers=4, backup=2)
+    push(shard, 3, 2.0, 0)
+    # A push in progress holds the step's second place: a third worker is refused meanwhile.
+    opened, release = threading.Event(), threading.Event()
+
+    def slow_stream() -> Iterator[Chunk]:
+        first, *rest = chunks(torch.full((NUMEL,), 6.0), 1, 0)
+        yield first
+        opened.set()
+        release.wait(10)
+        yield from rest
+
+    pushing = in_thread(lambda: shard.push(slow_stream()))
+    assert opened.wait(10)
+    code, message = refusal(lambda: push(shard, 0, 1e6, 0))  # a marked gradient
+    assert code == PRECONDITION and "step 0 has its 2 pushes already" in message
+    release.set()
+    assert pushing().version == 1
+    expected = INITIAL - LR * (6.0 + 2.0) / 2  # over the two chosen, not the four workers
+    assert torch.equal(pull(shard, 3, clock=1)[0], expected)
+    # The late workers did not push, pull the same version, and may push the next step.
+    assert torch.equal(pull(shard, 0, clock=1)[0], expected)
+    assert refusal(lambda: push(shard, 0, 1e6, 0))[0] == INVALID  # a late push of step 0 never lands
+    assert refusal(lambda: pull(shard, 2, clock=3))[0] == INVALID  # beyond the next version
+    push(shard, 0, 4.0, 1)
+    push(shard, 2, 8.0, 1)
+    assert torch.equal(pull(shard, 1, clock=2)[0], expected - LR * (4.0 + 8.0) / 2)
+    assert list(shard.stats_reply().clocks) == [1, 1, 1, 1]
+
+
+def test_backup_workers_never_tear_a_pull_of_the_version_before_an_update() -> None:
+    shard = make_backup_shard(workers=3, backup=1)
+    push(shard, 0, 2.0, 0)
+    push(shard, 1, 4.0, 0)
+    first = INITIAL - LR * 3.0
+    # The late worker 2 streams version 1 slowly; meanwhile the others complete step 1.
+    context = Context(10.0)
+    stream = shard.pull(pb.PullRequest(worker=2, shard=0, clock=1), context)
+    received = torch.full((NUMEL,), float("nan"))
+
+    def take(message: bytes) -> int:
+        chunk = decode_chunk(message)
+        copy_in(received, chunk.offset, chunk.data)
+        return chunk.step
+
+    assert take(next(stream)) == 1
+    push(shard, 0, 10.0, 1)
+    assert push(shard, 1, 10.0, 1).version == 2
+    time.sleep(0.1)
+    assert shard.applied == 0  # the update waits for the open pull of version 1
+    assert {take(m) for m in stream} == {1} and torch.equal(received, first)
+    assert torch.equal(pull(shard, 0, clock=2)[0], first - LR * 10.0)

@@ -90,6 +90,8 @@ class LocalServers:
                 cmd += ["--stream-timeout-s", str(self.sync_cfg["stream_timeout_s"])]
             if self.sync_cfg.get("sums_only"):
                 cmd.append("--sums-only")
+            if self.sync_cfg.get("backup_workers"):
+                cmd += ["--backup-workers", str(self.sync_cfg["backup_workers"])]
             if self.compress:
                 cmd += ["--compress", json.dumps(self.compress), "--seed", str(self.seed)]
             log = open(self.log_dir / f"ps{shard}.log", "w")

@@ -24,37 +24,37 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16parameter_server.proto\x12\ntestbed.ps\"\x8a\x01\n\x0bTensorChunk\x12\x0e\n\x06worker\x18\x01 \x01(\r\x12\r\n\x05shard\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12 \n\x05\x64type\x18\x05 \x01(\x0e\x32\x11.testbed.ps.DType\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\"!\n\x0fRegisterRequest\x12\x0e\n\x06worker\x18\x01 \x01(\r\"\x8e\x01\n\tShardInfo\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x0f\n\x07workers\x18\x02 \x01(\r\x12\r\n\x05numel\x18\x03 \x01(\x04\x12 \n\x05\x64type\x18\x04 \x01(\x0e\x32\x11.testbed.ps.DType\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12\x11\n\tstaleness\x18\x06 \x01(\r\x12\x0f\n\x07version\x18\x07 \x01(\x04\"/\n\tPushReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x11\n\tstaleness\x18\x02 \x01(\x04\"I\n\x0bPullRequest\x12\x0e\n\x06worker\x18\x01 \x01(\r\x12\r\n\x05shard\x18\x02 \x01(\r\x12\r\n\x05\x63lock\x18\x03 \x01(\x04\x12\x0c\n\x04\x66ull\x18\x04 \x01(\x08\"/\n\x0c\x43lockRequest\x12\x0e\n\x06worker\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64vance\x18\x02 \x01(\x08\"-\n\nClockReply\x12\x0e\n\x06\x63locks\x18\x01 \x03(\x04\x12\x0f\n\x07version\x18\x02 \x01(\x04\"\x0e\n\x0cStatsRequest\"\xb7\x01\n\nStatsReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0e\n\x06\x63locks\x18\x02 \x03(\x04\x12\x1b\n\x13staleness_histogram\x18\x03 \x03(\x04\x12\x10\n\x08\x62ytes_in\x18\x04 \x01(\x04\x12\x11\n\tbytes_out\x18\x05 \x01(\x04\x12\x0e\n\x06pushes\x18\x06 \x01(\x04\x12\r\n\x05pulls\x18\x07 \x01(\x04\x12\x10\n\x08rejected\x18\x08 \x01(\x04\x12\x15\n\rapply_seconds\x18\t \x01(\x01\"\x11\n\x0fShutdownRequest\"\x0f\n\rShutdownReply*^\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT64\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\x0b\n\x07\x46LOAT16\x10\x04\x12\t\n\x05UINT8\x10\x05\x32\xc1\x03\n\x0fParameterServer\x12>\n\x08Register\x12\x1b.testbed.ps.RegisterRequest\x1a\x15.testbed.ps.ShardInfo\x12>\n\nInitParams\x12\x17.testbed.ps.TensorChunk\x1a\x15.testbed.ps.ShardInfo(\x01\x12\x38\n\x04Push\x12\x17.testbed.ps.TensorChunk\x1a\x15.testbed.ps.PushReply(\x01\x12:\n\x04Pull\x12\x17.testbed.ps.PullRequest\x1a\x17.testbed.ps.TensorChunk0\x01\x12\x39\n\x05\x43lock\x12\x18.testbed.ps.ClockRequest\x1a\x16.testbed.ps.ClockReply\x12\x39\n\x05Stats\x12\x18.testbed.ps.StatsRequest\x1a\x16.testbed.ps.StatsReply\x12\x42\n\x08Shutdown\x12\x1b.testbed.ps.ShutdownRequest\x1a\x19.testbed.ps.ShutdownReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16parameter_server.proto\x12\ntestbed.ps\"\x8a\x01\n\x0bTensorChunk\x12\x0e\n\x06worker\x18\x01 \x01(\r\x12\r\n\x05shard\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12 \n\x05\x64type\x18\x05 \x01(\x0e\x32\x11.testbed.ps.DType\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\"!\n\x0fRegisterRequest\x12\x0e\n\x06worker\x18\x01 \x01(\r\"\xa6\x01\n\tShardInfo\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x0f\n\x07workers\x18\x02 \x01(\r\x12\r\n\x05numel\x18\x03 \x01(\x04\x12 \n\x05\x64type\x18\x04 \x01(\x0e\x32\x11.testbed.ps.DType\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12\x11\n\tstaleness\x18\x06 \x01(\r\x12\x0f\n\x07version\x18\x07 \x01(\x04\x12\x16\n\x0e\x62\x61\x63kup_workers\x18\x08 \x01(\r\"/\n\tPushReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x11\n\tstaleness\x18\x02 \x01(\x04\"I\n\x0bPullRequest\x12\x0e\n\x06worker\x18\x01 \x01(\r\x12\r\n\x05shard\x18\x02 \x01(\r\x12\r\n\x05\x63lock\x18\x03 \x01(\x04\x12\x0c\n\x04\x66ull\x18\x04 \x01(\x08\"/\n\x0c\x43lockRequest\x12\x0e\n\x06worker\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64vance\x18\x02 \x01(\x08\"-\n\nClockReply\x12\x0e\n\x06\x63locks\x18\x01 \x03(\x04\x12\x0f\n\x07version\x18\x02 \x01(\x04\"\x0e\n\x0cStatsRequest\"\xb7\x01\n\nStatsReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0e\n\x06\x63locks\x18\x02 \x03(\x04\x12\x1b\n\x13staleness_histogram\x18\x03 \x03(\x04\x12\x10\n\x08\x62ytes_in\x18\x04 \x01(\x04\x12\x11\n\tbytes_out\x18\x05 \x01(\x04\x12\x0e\n\x06pushes\x18\x06 \x01(\x04\x12\r\n\x05pulls\x18\x07 \x01(\x04\x12\x10\n\x08rejected\x18\x08 \x01(\x04\x12\x15\n\rapply_seconds\x18\t \x01(\x01\"\x11\n\x0fShutdownRequest\"\x0f\n\rShutdownReply*^\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT64\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\x0b\n\x07\x46LOAT16\x10\x04\x12\t\n\x05UINT8\x10\x05\x32\xc1\x03\n\x0fParameterServer\x12>\n\x08Register\x12\x1b.testbed.ps.RegisterRequest\x1a\x15.testbed.ps.ShardInfo\x12>\n\nInitParams\x12\x17.testbed.ps.TensorChunk\x1a\x15.testbed.ps.ShardInfo(\x01\x12\x38\n\x04Push\x12\x17.testbed.ps.TensorChunk\x1a\x15.testbed.ps.PushReply(\x01\x12:\n\x04Pull\x12\x17.testbed.ps.PullRequest\x1a\x17.testbed.ps.TensorChunk0\x01\x12\x39\n\x05\x43lock\x12\x18.testbed.ps.ClockRequest\x1a\x16.testbed.ps.ClockReply\x12\x39\n\x05Stats\x12\x18.testbed.ps.StatsRequest\x1a\x16.testbed.ps.StatsReply\x12\x42\n\x08Shutdown\x12\x1b.testbed.ps.ShutdownRequest\x1a\x19.testbed.ps.ShutdownReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'parameter_server_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=817
-  _globals['_DTYPE']._serialized_end=911
+  _globals['_DTYPE']._serialized_start=841
+  _globals['_DTYPE']._serialized_end=935
   _globals['_TENSORCHUNK']._serialized_start=39
   _globals['_TENSORCHUNK']._serialized_end=177
   _globals['_REGISTERREQUEST']._serialized_start=179
   _globals['_REGISTERREQUEST']._serialized_end=212
   _globals['_SHARDINFO']._serialized_start=215
-  _globals['_SHARDINFO']._serialized_end=357
-  _globals['_PUSHREPLY']._serialized_start=359
-  _globals['_PUSHREPLY']._serialized_end=406
-  _globals['_PULLREQUEST']._serialized_start=408
-  _globals['_PULLREQUEST']._serialized_end=481
-  _globals['_CLOCKREQUEST']._serialized_start=483
-  _globals['_CLOCKREQUEST']._serialized_end=530
-  _globals['_CLOCKREPLY']._serialized_start=532
-  _globals['_CLOCKREPLY']._serialized_end=577
-  _globals['_STATSREQUEST']._serialized_start=579
-  _globals['_STATSREQUEST']._serialized_end=593
-  _globals['_STATSREPLY']._serialized_start=596
-  _globals['_STATSREPLY']._serialized_end=779
-  _globals['_SHUTDOWNREQUEST']._serialized_start=781
-  _globals['_SHUTDOWNREQUEST']._serialized_end=798
-  _globals['_SHUTDOWNREPLY']._serialized_start=800
-  _globals['_SHUTDOWNREPLY']._serialized_end=815
-  _globals['_PARAMETERSERVER']._serialized_start=914
-  _globals['_PARAMETERSERVER']._serialized_end=1363
+  _globals['_SHARDINFO']._serialized_end=381
+  _globals['_PUSHREPLY']._serialized_start=383
+  _globals['_PUSHREPLY']._serialized_end=430
+  _globals['_PULLREQUEST']._serialized_start=432
+  _globals['_PULLREQUEST']._serialized_end=505
+  _globals['_CLOCKREQUEST']._serialized_start=507
+  _globals['_CLOCKREQUEST']._serialized_end=554
+  _globals['_CLOCKREPLY']._serialized_start=556
+  _globals['_CLOCKREPLY']._serialized_end=601
+  _globals['_STATSREQUEST']._serialized_start=603
+  _globals['_STATSREQUEST']._serialized_end=617
+  _globals['_STATSREPLY']._serialized_start=620
+  _globals['_STATSREPLY']._serialized_end=803
+  _globals['_SHUTDOWNREQUEST']._serialized_start=805
+  _globals['_SHUTDOWNREQUEST']._serialized_end=822
+  _globals['_SHUTDOWNREPLY']._serialized_start=824
+  _globals['_SHUTDOWNREPLY']._serialized_end=839
+  _globals['_PARAMETERSERVER']._serialized_start=938
+  _globals['_PARAMETERSERVER']._serialized_end=1387
 # @@protoc_insertion_point(module_scope)

@@ -47,7 +47,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, worker: _Optional[int] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
-    __slots__ = ("shard", "workers", "numel", "dtype", "mode", "staleness", "version")
+    __slots__ = ("shard", "workers", "numel", "dtype", "mode", "staleness", "version", "backup_workers")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class ShardInfo(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_WORKERS_FIELD_NUMBER: _ClassVar[int]
     shard: int
     workers: int
     numel: int
@@ -62,7 +63,8 @@ class ShardInfo(_message.Message):
     mode: str
     staleness: int
     version: int
-    def __init__(self, shard: _Optional[int] = ..., workers: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+    backup_workers: int
+    def __init__(self, shard: _Optional[int] = ..., workers: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., version: _Optional[int] = ..., backup_workers: _Optional[int] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("version", "staleness")

@@ -9,6 +9,13 @@
   moves the parameters as far as one synchronous step.
 - ``ssp``: applied on arrival as in async, but a worker's pull blocks while its clock (pushes made)
   is more than ``--staleness`` ahead of the slowest worker's.
+- backup workers (``--backup-workers b``, a sync mode; Chen et al. 2016, "Revisiting Distributed
+  Synchronous SGD"): of n workers, each step's update takes the first n - b pushes and the other b
+  never push. Who is first is decided once per step for every shard, by the workers (an atomic
+  counter in the job's store, testbed.sync.ps), so every shard averages the same workers and the
+  update is a true mini-batch mean; here a push beyond the n - b is refused. Workers run ahead of
+  a late one, so a pull may still stream an old version when the next update is due: the update
+  waits for it rather than tearing it.
 - summation-only (``--sums-only``, BytePS's summation service, a sync mode): the shard runs no
   optimizer: it holds the mean of a step's pushes, which the pulls stream back, and the workers
   step their own optimizers with it. Pushes are folded in partition by partition as they arrive,
@@ -78,6 +85,13 @@ class Policy(ABC):
         shard.clocks[worker] += 1
         save_if_agreed(shard)
 
+    def check_pull(self, worker: int, clock: int) -> None:
+        """Refuse a pull at a clock that ``worker`` could not have reached (it would wait for ever)."""
+        shard = self.shard
+        if clock > shard.clocks[worker] + self.pull_lead:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"Pull: worker {worker} at clock {clock} has pushed only {shard.clocks[worker]} times")
+
     def may_pull(self, worker: int, clock: int) -> bool:
         """Whether ``worker``'s pull at ``clock`` (its pushes so far) may proceed."""
         return True
@@ -89,13 +103,19 @@ class Policy(ABC):
     def pull_source(self, worker: int) -> torch.Tensor:
         """The parameters ``worker``'s (whole) pull streams from."""
 
-    def stream(self, messages: Iterator[Any], clock: int) -> Iterator[Any]:
-        """(Outside the lock) a pull's messages, one per partition, released as the mode allows."""
+    def stream(self, messages: Iterator[Any], clock: int, version: int) -> Iterator[Any]:
+        """(Outside the lock) a pull's messages of parameters at ``version``, one per partition,
+        released as the mode allows."""
         return messages
 
 
 class Sync(Policy):
     shared_pulls = True  # nothing changes until every worker has pushed again
+
+    def __init__(self, shard: Shard) -> None:
+        super().__init__(shard)
+        self.needed = shard.workers  # pushes that complete a step
+        self.chosen: list[int] = []  # the workers whose pushes the step in progress averages
 
     def hold(self) -> None:
         threading.Thread(target=self._update_loop, name=f"ps{self.shard.shard}-update", daemon=True).start()
@@ -111,7 +131,8 @@ class Sync(Policy):
     def commit(self, worker: int, base: int) -> int:
         shard = self.shard
         shard.pending.add(worker)
-        if len(shard.pending) == shard.workers:  # the step is complete: hand it to the update thread
+        if len(shard.pending) == self.needed:  # the step is complete: hand it to the update thread
+            self.chosen = sorted(shard.pending)  # summed in worker order, whatever the arrival order
             shard.version += 1
             shard.applied = 0
             shard.pending.clear()
@@ -121,6 +142,10 @@ class Sync(Policy):
     def advance(self, worker: int) -> None:
         raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "sync mode advances clocks only by pushing")
 
+    def update_due(self) -> bool:
+        """(Under the lock) a completed step waits for its update."""
+        return not self.shard.updated()
+
     def may_pull(self, worker: int, clock: int) -> bool:
         return self.shard.version >= clock
 
@@ -128,14 +153,19 @@ class Sync(Policy):
         assert self.shard.params is not None
         return self.shard.params.detach()
 
-    def stream(self, messages: Iterator[Any], clock: int) -> Iterator[Any]:
+    def stream(self, messages: Iterator[Any], clock: int, version: int) -> Iterator[Any]:
         """Each message generated only once its partition is updated (pull_messages chunks as the
-        partitions are cut), so that none reads stale values."""
+        partitions are cut), so that none reads stale values. A newer step completed meanwhile
+        (backup workers) has its update wait for this pull: ``version`` is whole."""
         shard = self.shard
+
+        def ready(part: int) -> bool:
+            return shard.applied > part or shard.version > version
+
         for part in range(len(shard.parts)):
-            if shard.applied <= part:
+            if not ready(part):
                 with shard.cond:
-                    shard.cond.wait_for(lambda part=part: shard.applied > part)
+                    shard.cond.wait_for(lambda part=part: ready(part))
             shard.check_updating()
             message = next(messages, None)
             if message is None:
@@ -149,19 +179,18 @@ class Sync(Policy):
         partition's parameters, gradient or staged pushes until it is done (pulls wait for it,
         pushes for the last one)."""
         shard = self.shard
-        everyone = range(shard.workers)
         while True:
             with shard.cond:
-                shard.cond.wait_for(lambda: not shard.updated())
-                step = shard.version - 1  # the step every worker pushed
+                shard.cond.wait_for(self.update_due)
+                step, chosen = shard.version - 1, self.chosen  # the step the chosen workers pushed
             start = time.perf_counter()
             try:
                 for block in range(len(shard.blocks)):
-                    shard.step_block(block, everyone, step)
+                    shard.step_block(block, chosen, step, self.needed)
                     with shard.cond:
                         shard.applied = shard.blocks[block].stop
                         if shard.updated():
-                            shard.staged = [[] for _ in everyone]  # the received messages can go
+                            shard.staged = [[] for _ in range(shard.workers)]  # the received messages can go
                             shard.apply_seconds += time.perf_counter() - start
                             save_if_agreed(shard)
                         shard.cond.notify_all()
@@ -172,6 +201,35 @@ class Sync(Policy):
                     shard.applied = len(shard.parts)
                     shard.cond.notify_all()
                 return
+
+
+class Backup(Sync):
+    """Sync with backup workers: a step is complete with the first ``needed`` of its pushes."""
+
+    def __init__(self, shard: Shard) -> None:
+        super().__init__(shard)
+        self.needed = shard.workers - shard.backup_workers
+
+    def check_push(self, worker: int, first: Chunk) -> None:
+        super().check_push(worker, first)
+        shard = self.shard
+        if len(shard.pending | shard.pushing) >= self.needed:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"worker {worker}: step {shard.version} has its {self.needed} pushes already (in progress or "
+                          f"staged); with {shard.backup_workers} backup workers a late worker does not push")
+
+    def check_pull(self, worker: int, clock: int) -> None:
+        """A worker that did not push may pull the step after the one it computed; none is further
+        ahead than the shard's next version."""
+        shard = self.shard
+        if clock > shard.version + 1:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"Pull: worker {worker} at clock {clock}; the shard is at "
+                                                            f"version {shard.version}")
+
+    def update_due(self) -> bool:
+        """...and for the pulls still streaming the version before it: the update would tear them."""
+        shard = self.shard
+        return not shard.updated() and not shard.reading[shard.version - 1]
 
 
 class Async(Policy):
@@ -186,7 +244,7 @@ class Async(Policy):
         staleness = shard.version - base
         start = time.perf_counter()
         for block in range(len(shard.blocks)):
-            shard.step_block(block, [worker], shard.clocks[worker] - 1)
+            shard.step_block(block, [worker], shard.clocks[worker] - 1, shard.workers)
         shard.staged[worker] = []
         shard.apply_seconds += time.perf_counter() - start
         shard.version += 1
@@ -260,7 +318,7 @@ class SumsOnly(Sync):
             start = time.perf_counter()
             everyone = range(shard.workers)
             for ready in range(self.summed, min(self.delivered)):
-                shard.gradient(ready, everyone)  # lands in the values
+                shard.gradient(ready, everyone, shard.workers)  # lands in the values
             self.summed = max(self.summed, min(self.delivered))
             shard.apply_seconds += time.perf_counter() - start
             if self.summed == len(shard.parts):
@@ -280,7 +338,7 @@ class SumsOnly(Sync):
     def pull_version(self, clock: int) -> int:
         return clock
 
-    def stream(self, messages: Iterator[Any], clock: int) -> Iterator[Any]:
+    def stream(self, messages: Iterator[Any], clock: int, version: int) -> Iterator[Any]:
         """Each message once its partition holds step ``clock``'s sum."""
         shard = self.shard
         for part in range(len(shard.parts)):
@@ -293,10 +351,13 @@ class SumsOnly(Sync):
 POLICIES: dict[str, type[Policy]] = {"sync": Sync, "async": Async, "ssp": Ssp}
 
 
-def policy_for(mode: str, sums_only: bool) -> type[Policy]:
-    """The policy of ``mode`` (testbed.ps.modes.MODES); ``sums_only``: the summation service."""
-    if sums_only:
+def policy_for(mode: str, sums_only: bool, backup_workers: int = 0) -> type[Policy]:
+    """The policy of ``mode`` (testbed.ps.modes.MODES); ``sums_only``: the summation service;
+    ``backup_workers``: pushes per step the sync mode goes without."""
+    if sums_only or backup_workers:
         if mode != "sync":
-            raise ValueError(f"a summation-only shard runs in sync mode, not {mode}")
-        return SumsOnly
+            raise ValueError(f"{'a summation-only shard' if sums_only else 'backup workers'} run in sync mode, not {mode}")
+        if sums_only and backup_workers:
+            raise ValueError("a summation-only shard has no backup workers: every worker steps with the sum")
+        return SumsOnly if sums_only else Backup
     return POLICIES[mode]

@@ -40,7 +40,7 @@ def serve(args: argparse.Namespace) -> None:
     optim_cfg = OmegaConf.create(json.loads(args.optim))
     compress = OmegaConf.create(json.loads(args.compress)) if args.compress else None
     shard = Shard(args.shard, args.workers, args.mode, args.staleness, optim_cfg, args.chunk_kb * 1024, compress, args.seed,
-                  args.sums_only)
+                  args.sums_only, args.backup_workers)
     if args.checkpoint_dir:
         shard.checkpoint_dir, shard.checkpoint_every = Path(args.checkpoint_dir), args.checkpoint_every
     if args.restore:
@@ -87,6 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, required=True, help="number of workers that will push")
     parser.add_argument("--mode", choices=MODES, default="sync")
     parser.add_argument("--staleness", type=int, default=STALENESS, help="ssp bound s")
+    parser.add_argument("--backup-workers", type=int, default=0,
+                        help="sync: each step's update takes the first workers - b pushes (the workers decide which)")
     parser.add_argument("--optim", default=json.dumps(asdict(SgdConfig())), help="the trainer's optim config as JSON, with its resolved lr_schedule (testbed.eval.schedule)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless set)")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")

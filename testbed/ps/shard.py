@@ -38,13 +38,16 @@ class Shard:
     """The state of one shard; all methods are safe to call from many threads."""
 
     def __init__(self, shard: int, workers: int, mode: str, staleness: int, optim_cfg: Any, chunk_bytes: int,
-                 compress: Any = None, seed: int = 0, sums_only: bool = False) -> None:
+                 compress: Any = None, seed: int = 0, sums_only: bool = False, backup_workers: int = 0) -> None:
         """``mode``: one of testbed.ps.modes.MODES; ``compress``: the workers' codec config
         (testbed.compress), whose payloads the pushes carry; ``seed``: the run's, for the draws a
         codec shares with its workers; ``sums_only``: hold the mean gradient for the pulls instead
-        of updating parameters (sync mode)."""
+        of updating parameters (sync mode); ``backup_workers``: pushes a sync step goes without."""
+        if not 0 <= backup_workers < workers:
+            raise ValueError(f"backup workers {backup_workers}: must be in [0, {workers}) of {workers} workers")
         self.shard, self.workers, self.mode, self.staleness = shard, workers, mode, staleness
-        self.policy = policy_for(mode, sums_only)(self)
+        self.backup_workers = backup_workers
+        self.policy = policy_for(mode, sums_only, backup_workers)(self)
         self.optim_cfg, self.chunk_bytes = optim_cfg, chunk_bytes
         # The workers' learning-rate schedule (testbed.eval.schedule), resolved by the launcher into
         # the optim config; without one (a server started by hand from an older config), optim.lr.
@@ -62,6 +65,7 @@ class Shard:
         # Each worker's staged push, one tensor per partition: views of the received chunks.
         self.staged: list[list[torch.Tensor]] = [[] for _ in range(workers)]
         self.pushing: set[int] = set()  # workers with a push stream in progress
+        self.reading: Counter[int] = Counter()  # pulls streaming, by the version they stream
         self.histogram: Counter[int] = Counter()
         self.stats = Counter()  # bytes_in, bytes_out, pushes, pulls, rejected
         self.apply_seconds = 0.0
@@ -168,7 +172,7 @@ class Shard:
             numel = 0 if self.params is None else self.params.numel()
             dtype = 0 if self.params is None else TO_WIRE[self.params.dtype]
             return pb.ShardInfo(shard=self.shard, workers=self.workers, numel=numel, dtype=dtype, mode=self.mode,
-                                staleness=self.staleness, version=self.version)
+                                staleness=self.staleness, version=self.version, backup_workers=self.backup_workers)
 
     # --- push ---------------------------------------------------------------------------------
 
@@ -249,27 +253,29 @@ class Shard:
 
     # --- the update ---------------------------------------------------------------------------
 
-    def gradient(self, part: int, workers: range | list[int]) -> torch.Tensor:
-        """One partition's gradient from the pushes of ``workers`` (all of them in sync mode, the one
-        that pushed in async/ssp), read where they were received: their mean over the shard's
-        workers, added in worker order so that the result does not depend on arrival order."""
+    def gradient(self, part: int, workers: range | list[int], over: int) -> torch.Tensor:
+        """One partition's gradient from the pushes of ``workers`` (a sync step's, the one that
+        pushed in async/ssp), read where they were received: their sum over ``over`` (the workers a
+        step averages; async scales each push by it), added in worker order so that the result
+        does not depend on arrival order."""
         pushed = [self.staged[w][part] for w in workers]
         if self.grad is None:  # a lone worker: its push is the gradient
             return pushed[0]
         lo, hi = self.parts[part]
         grad = self.grad[lo:hi]
         if len(pushed) == 1:
-            return torch.div(pushed[0], self.workers, out=grad)
+            return torch.div(pushed[0], over, out=grad)
         grad.copy_(pushed[0])
         for more in pushed[1:]:
             grad.add_(more)
-        return grad.div_(self.workers)
+        return grad.div_(over)
 
-    def step_block(self, block: int, workers: range | list[int], step: int) -> None:
+    def step_block(self, block: int, workers: range | list[int], step: int, over: int) -> None:
         """Apply block ``block`` of the workers' step ``step`` (0-based: the pushing worker's clock
-        before this push), at the learning rate the run's schedule gives that step."""
+        before this push), their pushes summed over ``over``, at the learning rate the run's
+        schedule gives that step."""
         for part in self.blocks[block]:
-            grad = self.gradient(part, workers)  # a summation-only shard's lands in its values: done
+            grad = self.gradient(part, workers, over)  # a summation-only shard's lands in its values: done
             if self.optimizers:
                 self.part_params[part].grad = grad
         if self.optimizers:
@@ -294,9 +300,7 @@ class Shard:
             check_worker(worker, self.workers)
             if request.shard != self.shard:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"Pull: shard {request.shard}, this is shard {self.shard}")
-            if clock > self.clocks[worker] + self.policy.pull_lead:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"Pull: worker {worker} at clock {clock} has pushed only {self.clocks[worker]} times")
+            self.policy.check_pull(worker, clock)
             start = time.perf_counter()
             remaining = context.time_remaining()
             if not self.cond.wait_for(lambda: self.policy.may_pull(worker, clock) or bool(self.apply_error), timeout=remaining):
@@ -316,13 +320,21 @@ class Shard:
                 self.stats["bytes_out"] += params.numel() * params.element_size()
                 if self.held is not None:  # the worker will hold these parameters
                     self.held.hold_full(worker, self._settled())
-        meta = (("blocked-seconds", f"{blocked:.9f}"), ("slowest-clock", str(slowest)))
-        if payload is not None:
-            context.send_initial_metadata((*meta, ("encoded", "1")))
-            yield from encoded_chunks(payload, self.shard, 0, version, self.chunk_bytes, byte_view(payload))
-            return
-        context.send_initial_metadata(meta)
-        yield from self.policy.stream(iter(self.pull_messages(source, version)), clock)
+            self.reading[version] += 1
+        try:
+            meta = (("blocked-seconds", f"{blocked:.9f}"), ("slowest-clock", str(slowest)))
+            if payload is not None:
+                context.send_initial_metadata((*meta, ("encoded", "1")))
+                yield from encoded_chunks(payload, self.shard, 0, version, self.chunk_bytes, byte_view(payload))
+                return
+            context.send_initial_metadata(meta)
+            yield from self.policy.stream(iter(self.pull_messages(source, version)), clock, version)
+        finally:
+            with self.cond:
+                self.reading[version] -= 1
+                if not self.reading[version]:
+                    del self.reading[version]
+                self.cond.notify_all()
 
     def _settled(self) -> torch.Tensor:
         """(Under the lock, compressed pulls) the parameters once the update in progress is done:

@@ -112,7 +112,8 @@ def summarize(
     step_times = [max(r.t_step for r in row) for row in rows]
     global_batch = batch.global_batch(OmegaConf.create(cfg))
     step_time = percentile(step_times, 50)
-    per_rank_steps = [(row_r[0].samples, [r.t_step for r in row_r]) for row_r in zip(*rows)]
+    # Each rank's samples per step as a mean: with backup workers a late rank's step takes none.
+    per_rank_steps = [(statistics.fmean(r.samples for r in row_r), [r.t_step for r in row_r]) for row_r in zip(*rows)]
 
     def paced(average: Any) -> float | None:
         return sum(samples / average(times) for samples, times in per_rank_steps) if per_rank_steps else None
@@ -145,6 +146,11 @@ def summarize(
     staleness = Counter(r.staleness for recs in records_by_rank for r in recs if r.staleness is not None)
     if staleness:  # every update applied, warm-up included: index = staleness, value = count
         summary["staleness_histogram"] = [staleness.get(s, 0) for s in range(max(staleness) + 1)]
+    if any(r.dropped is not None for recs in records_by_rank for r in recs):  # backup workers, warm-up included
+        summary["backup"] = {
+            "dropped": [sum(r.dropped or 0 for r in recs) for recs in records_by_rank],  # gradients left out
+            "sat_out": [sum(r.loss is None for r in recs) for recs in records_by_rank],  # steps begun too late
+        }
     # The first and last steps every rank completed.
     summary["loss_first"] = _mean_loss(by_step, min(common)) if common else None
     summary["final_loss"] = _mean_loss(by_step, max(common)) if common else None
@@ -176,8 +182,10 @@ def summarize(
 
 
 def _mean_loss(by_step: list[dict[int, StepRecord]], step: int) -> float | None:
-    losses = [ranks[step].loss for ranks in by_step]
-    return None if None in losses else statistics.fmean(losses)
+    """Over the ranks that computed a loss at ``step`` (a backup worker may sit a step out; a
+    simulated run computes none)."""
+    losses = [ranks[step].loss for ranks in by_step if ranks[step].loss is not None]
+    return statistics.fmean(losses) if losses else None
 
 
 def _bound(rows: list[list[StepRecord]], bound_s: float | None) -> dict[str, float] | None:

@@ -36,6 +36,9 @@ class SyncReport:
     t_encode: float | None = None
     t_decode: float | None = None
     residual_norm: float | None = None
+    # Backup workers (testbed.sync.ps), None without: True when this rank's gradient came too late
+    # for the step's update and was left out.
+    dropped: bool | None = None
 
 
 class Synchronizer(ABC):
@@ -65,6 +68,16 @@ class Synchronizer(ABC):
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> None:
         self.model, self.optimizer, self.world = model, optimizer, world
         self.module: nn.Module = model  # what the trainer runs forward through (a wrapper may replace it)
+
+    def takes_part(self, step: int) -> bool:
+        """Whether this rank computes a gradient for ``step``. False where the step's update is
+        made without it (a parameter server's backup workers): the trainer calls ``sit_out``
+        instead of computing."""
+        return True
+
+    def sit_out(self, step: int) -> SyncReport:
+        """``step`` goes on without this rank's gradient: catch up with its update."""
+        raise NotImplementedError(f"{type(self).__name__} takes part in every step")
 
     def micro_step(self, is_boundary: bool) -> AbstractContextManager[None]:
         """Context around one micro-step's forward and backward (DDP must know during forward)."""

@@ -10,6 +10,14 @@ time is part of ``t_sync``, or of ``t_backward`` for the shards ``sync.overlap``
 With ``sync.overlap`` each shard is pushed from backward's hooks as soon as every parameter it
 holds has its gradient, while backward goes on; shards stay whole pushes, so the servers validate
 and apply them exactly as without overlap.
+
+With ``sync.backup_workers=b`` (sync mode; Chen et al. 2016) each step's update takes the first
+n - b gradients. A worker whose gradient is ready takes a ticket from an atomic counter in the
+job's store, one per step: the same decision for every shard, so the update is the mean of n - b
+whole mini-batches, and a late worker sends nothing (its link stays free). It pulls the newest
+parameters instead and goes on from the step they are at: the steps the others completed without
+it, it sits out (testbed.trainer). First is first to finish backward: a worker slow only on the
+wire is not a straggler here.
 """
 
 from __future__ import annotations
@@ -51,6 +59,9 @@ class PsSyncConfig(SyncBase):
     # Push each shard during backward as soon as all its gradients are ready. A shard is pushed
     # whole, so the granularity is the shard: with one server nothing is ready before backward ends.
     overlap: bool = False
+    # sync mode: each step's update takes the first world_size - backup_workers gradients; the
+    # late workers' are dropped (Chen et al. 2016, "Revisiting Distributed Synchronous SGD").
+    backup_workers: int = 0
     # TLS between workers and servers (PEM files): the servers' certificate and key, and the
     # authority that signed it, which workers verify the servers' addresses against.
     tls_cert: str | None = None
@@ -84,11 +95,14 @@ class ParameterServerSync(Synchronizer):
         self.client = PsClient(list(self.cfg.addresses), token_from_env(), world.rank, world.timeout_s,
                                self.cfg.chunk_kb * 1024, tls_of(self.cfg)[2])
         infos = self.client.register(wait_s=world.timeout_s)
+        self.backup = int(self.cfg.backup_workers)
+        self.needed = world.world_size - self.backup  # gradients a step's update takes
         for i, info in enumerate(infos):
-            if info.workers != world.world_size or info.mode != self.cfg.mode:
+            if info.workers != world.world_size or info.mode != self.cfg.mode or info.backup_workers != self.backup:
                 raise ValueError(
-                    f"ps shard {i} at {self.cfg.addresses[i]} expects {info.workers} workers in mode {info.mode}; "
-                    f"this run has world_size={world.world_size}, sync.mode={self.cfg.mode}"
+                    f"ps shard {i} at {self.cfg.addresses[i]} expects {info.workers} workers in mode {info.mode} with "
+                    f"{info.backup_workers} backup workers; this run has world_size={world.world_size}, "
+                    f"sync.mode={self.cfg.mode}, sync.backup_workers={self.backup}"
                 )
         self.overlap = bool(self.cfg.overlap) and servers > 1
         if self.overlap:
@@ -152,9 +166,52 @@ class ParameterServerSync(Synchronizer):
 
     # --- the step --------------------------------------------------------------------------------
 
+    def takes_part(self, step: int) -> bool:
+        """With backup workers: not where this worker's parameters are past ``step`` already, nor
+        where the step has its n - b gradients before this one has begun."""
+        if not self.backup:
+            return True
+        if self.versions[0] > step:
+            return False
+        return self._tickets(step, 0) < self.needed
+
+    def sit_out(self, step: int) -> SyncReport:
+        if self.versions[0] > step:  # the update of this step is in the parameters this worker holds
+            return SyncReport(replicas_agree=False, t_wait=0.0, dropped=False)
+        return self._catch_up(dropped=False)
+
+    def _tickets(self, step: int, take: int) -> int:
+        """Tickets of ``step`` taken so far, after taking ``take`` (0 or 1): one atomic add on the store."""
+        assert self.world.store is not None
+        return int(self.world.store.add(f"ps/backup/{step}", take))
+
+    def _catch_up(self, dropped: bool) -> SyncReport:
+        """Pull the newest parameters: of the step after those this worker holds, or later. Shards
+        complete a step at slightly different moments; where they answer with different versions,
+        the lagging ones are pulled again at the newest, so that the model is one that existed."""
+        clock, pulls, blocked = self.versions[0] + 1, 0, 0.0
+        while True:
+            pulled = self.client.pull(self.param_shards, clock)
+            pulls, blocked = pulls + 1, blocked + pulled.blocked_s
+            clock = max(pulled.versions)
+            if min(pulled.versions) == clock:
+                break
+        self.versions = pulled.versions
+        self._params_up()
+        return SyncReport(bytes_recv=pulls * self.bytes_per_step, t_wait=blocked, replicas_agree=False, dropped=dropped)
+
     def after_backward(self, step: int, is_boundary: bool = True) -> SyncReport:
         if not is_boundary:  # accumulate locally; push once per window
             return SyncReport()
+        if self.backup:
+            if self.versions[0] != step:
+                raise RuntimeError(f"rank {self.world.rank}: computed step {step} on parameters of version {self.versions[0]}")
+            if self._tickets(step, 1) > self.needed:  # late: the step's update goes on without this gradient
+                return self._catch_up(dropped=True)
+            return self._push_pull(backup=True)
+        return self._push_pull(backup=False)
+
+    def _push_pull(self, backup: bool) -> SyncReport:
         if self.overlap:
             for i in range(len(self.grad_shards)):  # shards whose parameters backward did not reach
                 if i not in self._launched:
@@ -163,16 +220,19 @@ class ParameterServerSync(Synchronizer):
         else:
             replies = self.client.push([self._payload(i) for i in range(len(self.grad_shards))], self.versions)
         self.clock += 1
-        pulled = self.client.pull(self.param_shards, self.clock, decoders=self.decoders)
-        self.versions = pulled.versions
-        self._params_up()
-        report = SyncReport(
-            bytes_sent=self.bytes_per_step,  # payload bytes; gRPC and protobuf framing add ~0.01 %
-            bytes_recv=self.bytes_per_step,
-            staleness=max(r.staleness for r in replies),
-            t_wait=pulled.blocked_s,
-            replicas_agree=self.cfg.mode == "sync",  # async and ssp replicas pull different versions
-        )
+        if backup:  # the step after the pushed one, or later: where the others are
+            report = self._catch_up(dropped=False)
+        else:
+            pulled = self.client.pull(self.param_shards, self.clock, decoders=self.decoders)
+            self.versions = pulled.versions
+            self._params_up()
+            report = SyncReport(
+                bytes_recv=self.bytes_per_step,
+                t_wait=pulled.blocked_s,
+                replicas_agree=self.cfg.mode == "sync",  # async and ssp replicas pull different versions
+            )
+        report.bytes_sent = self.bytes_per_step  # payload bytes; gRPC and protobuf framing add ~0.01 %
+        report.staleness = max(r.staleness for r in replies)
         if self.codecs is not None:  # the shards decode; their time is the server's
             report.bytes_sent = sum(c.payload_bytes() for c in self.codecs)
             if self.decoders is not None:
@@ -191,10 +251,10 @@ class ParameterServerSync(Synchronizer):
 
     @contextmanager
     def evaluated(self) -> Iterator[tuple[nn.Module, dict[str, Any]]]:
-        """In async and ssp modes a worker's copy is stale: the run's model is the servers' current
+        """In async and ssp modes, and with backup workers, a worker's copy may be stale: the run's model is the servers' current
         parameters once every worker has pushed this step. Rank 0 pulls them (whole) and every rank
         evaluates that one model; each worker's own copy is back afterwards."""
-        if self.cfg.mode == "sync" or self.finalized:
+        if (self.cfg.mode == "sync" and not self.backup) or self.finalized:
             yield self.model, {"model": "replicas"}  # every replica holds the servers' parameters
             return
         dist.barrier()  # every worker's push of this step is in: the model after it, whatever the order
@@ -225,6 +285,7 @@ class ParameterServerSync(Synchronizer):
             "staleness_bound": int(self.cfg.staleness) if self.cfg.mode == "ssp" else None,
             "addresses": list(self.cfg.addresses),
             "overlap": self.overlap,
+            "backup_workers": self.backup,
             "server_stats": describe_stats(self.client.stats()),
         }
         if self.codecs is not None:
@@ -250,9 +311,9 @@ def host_buffers(flat_params: torch.Tensor, flat_grads: torch.Tensor) -> tuple[t
 
 
 def label(sync: Mapping[str, Any]) -> str:
-    """PS variants carry their mode and shard count: ps-sync, ps-ssp k=4."""
-    servers = sync.get("servers", 1)
-    return f"ps-{sync.get('mode', 'sync')}" + (f" k={servers}" if servers != 1 else "")
+    """PS variants carry their mode, shard count and backup workers: ps-sync, ps-ssp k=4, ps-sync b=1."""
+    servers, backup = sync.get("servers", 1), sync.get("backup_workers", 0)
+    return f"ps-{sync.get('mode', 'sync')}" + (f" k={servers}" if servers != 1 else "") + (f" b={backup}" if backup else "")
 
 
 def _check(cfg: Any) -> None:
@@ -274,6 +335,7 @@ def _check(cfg: Any) -> None:
         absent = [f"sync.{k}={v}" for k, v in given.items() if v and not Path(v).is_file()]
         require(not absent, f"{', '.join(absent)}: no such file")
     codec = cfg.compress.name
+    _check_backup(cfg)
     require(not (cfg.compress.get("pull") and cfg.eval.every),
             f"eval.every={cfg.eval.every} with sync=ps and compress.pull: workers hold a decoded approximation of the "
             "servers' parameters, and pulling the servers' own for an evaluation would break the copy the servers keep "
@@ -287,6 +349,24 @@ def _check(cfg: Any) -> None:
         require(not ps.addresses,
                 "checkpoint/resume with sync=ps: the servers save their state in step with the workers when the "
                 "launcher starts them; drop sync.addresses")
+
+
+def _check_backup(cfg: Any) -> None:
+    b, n = cfg.sync.backup_workers, cfg.world_size
+    require(0 <= b < max(n, 1), f"sync.backup_workers={b} with world_size={n}: each step needs at least one gradient; "
+                                f"use 0 <= sync.backup_workers < world_size")
+    if not b:
+        return
+    require(cfg.sync.mode == "sync", f"sync.backup_workers={b} with sync.mode={cfg.sync.mode}: every push is applied on "
+                                     "arrival there, so none is late; backup workers are a sync-mode policy")
+    require(not cfg.sync.overlap, f"sync.backup_workers={b} with sync.overlap: overlap pushes during backward, before "
+                                  "the step knows whether this worker is among its first; drop sync.overlap")
+    require(cfg.compress.name == "none",
+            f"sync.backup_workers={b} with compress={cfg.compress.name}: a dropped gradient would have to stay in the "
+            "codec's error-feedback residual, which is not built; drop the codec (compress=none)")
+    require(not (cfg.checkpoint.every or cfg.resume),
+            f"sync.backup_workers={b} with checkpoints: the servers save when every worker has pushed the same "
+            "number of steps, which with backup workers never happens; drop checkpoint.every and resume")
 
 
 @contextmanager
@@ -320,4 +400,7 @@ SPEC = SyncSpec(
               "(and TESTBED_PS_TOKEN on servers and workers; with a codec, the servers' --compress and --seed)",
     ),
     communicates_alone=True, compresses=True,
+    exclusive={"backup_workers": "an update that goes on without the late workers' gradients needs a party that "
+                                 "applies it: a collective waits for every rank's, so backup workers are a parameter-"
+                                 "server policy"},
 )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from testbed.checks import require, resolved_backend, resolved_device
@@ -94,6 +94,8 @@ class SyncSpec:
     # Carries a gradient codec (compress=...; testbed.compress); if not, why (for the refusal).
     compresses: bool = False
     no_codec: str = "this synchronizer does not carry a codec"
+    # Options of its schema that the other synchronizers cannot have, and why (for their refusal).
+    exclusive: Mapping[str, str] = field(default_factory=dict)
 
     def local_servers(self, cfg: Any) -> int:
         return self.servers.count(cfg) if self.servers else 0
