@@ -34,6 +34,7 @@ from testbed.optim import check_optimizer
 from testbed.paths import short_dirname
 from testbed.results.wandb_run import WandbConfig, check_wandb
 from testbed.sim.config import SimConfig
+from testbed.stats.config import StatsConfig, check_stats
 from testbed.sync import SYNCHRONIZERS
 from testbed.tune.config import TuneConfig
 
@@ -104,6 +105,7 @@ class Config:
     target: TargetConfig = field(default_factory=TargetConfig)
     sim: SimConfig = field(default_factory=SimConfig)
     tune: TuneConfig = field(default_factory=TuneConfig)
+    stats: StatsConfig = field(default_factory=StatsConfig)
 
 
 # Groups whose options declare their schema and checks in their own modules (testbed.checks.Option).
@@ -182,6 +184,7 @@ def validate(cfg: DictConfig, local_world_size: int | None = None, simulated: bo
     require(cfg.sync.accumulate >= 1, f"sync.accumulate={cfg.sync.accumulate}: must be >= 1 (1 = no accumulation)")
     SYNCHRONIZERS[cfg.sync.name].check(cfg)
     _validate_compress(cfg)
+    check_stats(cfg, SYNCHRONIZERS[cfg.sync.name].averaged_gradient(cfg))
 
     for group, opts in OPTION_GROUPS.items():
         opts[cfg[group].name].check(cfg)

@@ -43,6 +43,12 @@ class StepRecord:
     # ``samples`` are then 0). A step the rank sat out, its update made before the rank could
     # begin, has ``samples`` 0, ``loss`` None and ``dropped`` 0.
     dropped: int | None = None
+    # stats.noise_scale: the mean over ranks of the squared norm of each rank's own gradient, the
+    # squared norm of the averaged gradient, and B_simple over the moving averages so far
+    # (testbed.stats.noise_scale; null while the averaged |G|² is not positive).
+    grad_sq_small: float | None = None
+    grad_sq_big: float | None = None
+    noise_scale: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The step log's object: every field in order, an optional one only when set."""
@@ -68,5 +74,5 @@ class StepRecord:
 
 
 ALL_FIELDS = tuple(f.name for f in fields(StepRecord))
-OPTIONAL_FIELDS = ("staleness", "residual_norm", "dropped")
+OPTIONAL_FIELDS = ("staleness", "residual_norm", "dropped", "grad_sq_small", "grad_sq_big", "noise_scale")
 FIELDS = tuple(name for name in ALL_FIELDS if name not in OPTIONAL_FIELDS)  # in every line, in this order

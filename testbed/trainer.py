@@ -24,6 +24,7 @@ from testbed.imbalance import Injector
 from testbed.models.call import ModelCall
 from testbed.results.step_log import StepLog
 from testbed.stall import Arrivals
+from testbed.stats.noise_scale import GradientNoise
 from testbed.step_record import StepRecord
 from testbed.sync import Synchronizer
 from testbed.sync.base import SyncReport
@@ -55,6 +56,7 @@ class Trainer:
         buffers: BufferSync | None = None,
         schedule: LrSchedule | None = None,
         evaluator: Evaluator | None = None,
+        noise: GradientNoise | None = None,
     ) -> None:
         # The model is the synchronizer's (sync.module): a wrapper such as DDP may stand in front of it.
         self.optimizer, self.sync, self.batches = optimizer, sync, batches
@@ -74,6 +76,7 @@ class Trainer:
         self.buffers = buffers  # BatchNorm's statistics, made equal when the replicas agree (testbed.buffers)
         self.schedule = schedule  # the learning rate of every step (testbed.eval.schedule); None: optim.lr
         self.evaluator = evaluator  # held-out evaluation every eval.every steps, and the target (testbed.eval)
+        self.noise = noise  # the gradient noise scale's estimate (testbed.stats.noise_scale)
         self.began = time.perf_counter()  # the run's clock (MLPerf's: it never stops, evaluation included)
 
     def run(self) -> list[StepRecord]:
@@ -91,8 +94,9 @@ class Trainer:
                 self.fault.before_step(step)
             lr = self._set_lr(step)
             clock.start()
+            noise: tuple[float, float, float | None] | None = None
             if sync.takes_part(step):
-                losses, samples, report = self._compute(step, clock, scale, last_compute)
+                losses, samples, report, noise = self._compute(step, clock, scale, last_compute)
             else:  # the step's update is made without this rank (backup workers): it catches up
                 for phase in ("data", "injected", "forward", "backward"):
                     clock.mark(phase)
@@ -130,6 +134,9 @@ class Trainer:
                 staleness=report.staleness,
                 residual_norm=report.residual_norm,
                 dropped=None if report.dropped is None else int(report.dropped),
+                grad_sq_small=None if noise is None else noise[0],
+                grad_sq_big=None if noise is None else noise[1],
+                noise_scale=None if noise is None else noise[2],
             )
             if losses:
                 last_compute = real_compute_time(record)
@@ -156,12 +163,12 @@ class Trainer:
 
     def _compute(
         self, step: int, clock: StepClock, scale: float, last_compute: float | None
-    ) -> tuple[list[torch.Tensor], int, SyncReport]:
+    ) -> tuple[list[torch.Tensor], int, SyncReport, tuple[float, float, float | None] | None]:
         """Data, forward, backward and synchronization of each micro-step of ``step``: the losses,
-        the samples, and the boundary's synchronization report."""
+        the samples, the boundary's synchronization report and the noise scale's estimate."""
         sync, device, k = self.sync, self.world.device, self.sync.accumulate
         non_blocking = device.type == "cuda"
-        losses, samples = [], 0
+        losses, samples, noise = [], 0, None
         for micro in range(k):
             boundary = micro == k - 1
             inputs, targets = self.batches.batch(step * k + micro)
@@ -180,14 +187,18 @@ class Trainer:
                 clock.mark("forward")
                 (loss * scale if scale != 1.0 else loss).backward()
                 clock.mark("backward")
+            if boundary and self.noise is not None:  # the local gradient, before it is averaged away
+                self.noise.before_sync()
             report = self._synchronize(step, boundary)
+            if boundary and self.noise is not None:
+                noise = self.noise.after_sync(device)
             if boundary and report.replicas_agree and self.buffers is not None:
                 moved = self.buffers.sync()
                 report.bytes_sent, report.bytes_recv = report.bytes_sent + moved, report.bytes_recv + moved
             clock.mark("sync")
             losses.append(loss.detach())
             samples += int(inputs.shape[0])
-        return losses, samples, report
+        return losses, samples, report, noise
 
     def _set_lr(self, step: int) -> float:
         """This step's learning rate on the optimizer, before anything steps it (a synchronizer that

@@ -44,6 +44,7 @@ from testbed.results.wandb_run import WandbRun, remove_import_temporaries
 from testbed.seeds import rank_seed
 from testbed.sim.step import communication_bound_s
 from testbed.stall import Arrivals
+from testbed.stats.noise_scale import noise_probe
 from testbed.step_record import StepRecord
 from testbed.sync import Synchronizer, run_label, spec_of
 from testbed.timing import fill_wait_from_latest
@@ -125,6 +126,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
             after_step=_checkpointer(cfg, Path(job_dir), world.rank, model, optimizer, injector, step_log),
             schedule=schedule_of(cfg, data_kind(cfg.data.name).train_size(cfg.data)),
             evaluator=evaluator,
+            noise=noise_probe(cfg, model, sizes, world.rank),
         )
         if state is not None:
             checkpoint.restore_rng(state, injector.rng)

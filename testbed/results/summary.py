@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from testbed import batch
 from testbed.results.step_log import metrics_path, read_step_records
 from testbed.results.workload import workload_throughput
+from testbed.stats.noise_scale import noise_summary
 from testbed.step_record import StepRecord
 from testbed.timing import PHASES, compute_time, fill_wait, percentile
 
@@ -151,6 +152,9 @@ def summarize(
             "dropped": [sum(r.dropped or 0 for r in recs) for recs in records_by_rank],  # gradients left out
             "sat_out": [sum(r.loss is None for r in recs) for recs in records_by_rank],  # steps begun too late
         }
+    noise = noise_summary(records_by_rank[0], OmegaConf.create(cfg), summary["throughput"]) if records_by_rank else None
+    if noise is not None:
+        summary["noise_scale"] = noise
     # The first and last steps every rank completed.
     summary["loss_first"] = _mean_loss(by_step, min(common)) if common else None
     summary["final_loss"] = _mean_loss(by_step, max(common)) if common else None

@@ -16,6 +16,7 @@ from testbed.results.keys import run_key
 
 COLUMNS = (
     ("sync", "sync"), ("n", "world_size"), ("status", "status"), ("samples/s", "throughput"), ("tokens/s", "tokens"),
+    ("goodput", "goodput"), ("B_simple", "b_simple"),
     ("step ms", "step_ms"), ("sync ms", "sync_ms"), ("wait ms", "wait_ms"), ("imbalance", "imbalance"), ("speedup", "speedup"),
     ("efficiency", "efficiency"), ("MB/step", "mb_per_step"), ("loss", "final_loss"),
 )
@@ -39,6 +40,9 @@ def summary_row(summary: dict[str, Any]) -> dict[str, Any]:
         "throughput": summary.get("throughput"),
         # Language models: the field's unit (images/s equal samples/s, so they need no column).
         "tokens": summary.get("throughput_items") if summary.get("throughput_unit") == "tokens/s" else None,
+        # stats.noise_scale: throughput × statistical efficiency (Pollux), and the noise scale it used.
+        "goodput": (summary.get("noise_scale") or {}).get("goodput"),
+        "b_simple": (summary.get("noise_scale") or {}).get("b_simple"),
         "step_ms": None if summary.get("step_time") is None else 1e3 * summary["step_time"],
         "sync_ms": _ms(summary, "t_sync"),
         "wait_ms": _ms(summary, "t_wait"),
@@ -79,7 +83,7 @@ def comparison_rows(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-OPTIONAL = ("tokens",)  # printed only when a row has a value
+OPTIONAL = ("tokens", "goodput", "b_simple")  # printed only when a row has a value
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:

@@ -146,6 +146,8 @@ def _label(sync: Mapping[str, Any]) -> str:
 SPEC = SyncSpec(
     name="ddp", schema=DdpSyncConfig, impl=DdpSync, check=_check, label=_label,
     no_codec="DDP runs torch's own hooks: use sync.hook=fp16|bf16|powersgd",
+    averaged_gradient=lambda cfg: "DDP averages the gradients inside backward, so no rank sees its own; use "
+                                  "sync=allreduce (the backend's collective, after backward)",
     # DDP always overlaps.
     sim=SimModel(series=NATIVE.series, cost=NATIVE.cost, two_level=NATIVE.two_level, overlap=lambda cfg: True,
                  codec=_hook_codec),

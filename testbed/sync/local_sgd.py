@@ -108,4 +108,5 @@ SPEC = SyncSpec(
     sim=SimModel(series=lambda cfg: _over(cfg).series(cfg), cost=lambda cfg: _over(cfg).cost(cfg), schedule="average",
                  meets=lambda cfg, step: averages_at(cfg.sync, step)),
     no_codec="it averages parameters, not gradients, and encoding the model delta is not built",
+    averaged_gradient=lambda cfg: "local SGD averages parameters every few steps, never a step's gradients",
 )

@@ -48,4 +48,5 @@ class NoSync(Synchronizer):
                     p.copy_(mine)
 
 
-SPEC = SyncSpec(name="none", schema=NoneSyncConfig, impl=NoSync, sim=None, no_codec="nothing is communicated")
+SPEC = SyncSpec(name="none", schema=NoneSyncConfig, impl=NoSync, sim=None, no_codec="nothing is communicated",
+                averaged_gradient=lambda cfg: "nothing is averaged")

@@ -392,6 +392,8 @@ def _cost(cfg: Any) -> Callable[[float], Cost]:
 
 SPEC = SyncSpec(
     name="ps", schema=PsSyncConfig, impl=ParameterServerSync, check=_check, label=label,
+    averaged_gradient=lambda cfg: "the shards average the gradients and update the parameters, so no worker holds the "
+                                  "average (estimating from the pushes at the shards is not built); use sync=allreduce",
     sim=SimModel(series=lambda cfg: f"ps_k{int(cfg.sync.servers)}", cost=_cost, schedule="clocks"),
     servers=Servers(
         count=lambda cfg: 0 if cfg.sync.addresses else int(cfg.sync.servers),

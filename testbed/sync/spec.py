@@ -78,6 +78,14 @@ class Servers:
     machines: Callable[[Any], list[int]] | None = None
 
 
+def overlapped(cfg: Any) -> str | None:
+    """SyncSpec.averaged_gradient of a synchronizer that may overlap with backward."""
+    if cfg.sync.get("overlap"):
+        return "sync.overlap averages each bucket during backward, before a rank could read its own gradient; " \
+               "drop sync.overlap"
+    return None
+
+
 @dataclass(frozen=True)
 class SyncSpec:
     name: str  # the Hydra option (sync=<name>)
@@ -96,6 +104,9 @@ class SyncSpec:
     no_codec: str = "this synchronizer does not carry a codec"
     # Options of its schema that the other synchronizers cannot have, and why (for their refusal).
     exclusive: Mapping[str, str] = field(default_factory=dict)
+    # Why a rank cannot read its own gradient before synchronizing and the averaged one after (the
+    # gradient noise scale's estimate, testbed.stats); None: it can.
+    averaged_gradient: Callable[[Any], str | None] = overlapped
 
     def local_servers(self, cfg: Any) -> int:
         return self.servers.count(cfg) if self.servers else 0
