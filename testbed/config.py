@@ -14,6 +14,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from testbed.balance import BALANCES
 from testbed.checkpoint import CheckpointConfig, check_checkpoints
 from testbed.checks import Backend, ConfigError, Device, Precision, check_devices, enum_value, require, resolved_device
 from testbed.compress import CODECS
@@ -71,6 +72,7 @@ class Config:
     optim: Any = MISSING
     launcher: Any = MISSING
     imbalance: Any = MISSING
+    balance: Any = MISSING
     network: Any = MISSING
     fault: Any = MISSING
     world_size: int = 1
@@ -109,7 +111,7 @@ class Config:
 
 
 # Groups whose options declare their schema and checks in their own modules (testbed.checks.Option).
-OPTION_GROUPS = {"imbalance": IMBALANCES, "network": NETWORKS, "fault": FAULTS}
+OPTION_GROUPS = {"imbalance": IMBALANCES, "balance": BALANCES, "network": NETWORKS, "fault": FAULTS}
 
 
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {

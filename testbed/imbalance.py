@@ -210,9 +210,13 @@ def shard_batches(cfg: Any) -> list[int]:
     kind = IMBALANCES[cfg.imbalance.name]
     if kind.shares is None or n == 1:
         return [per_rank] * n
-    shares = kind.shares(typed(kind.schema, cfg.imbalance), n)
-    total = per_rank * n
-    # Largest-remainder rounding, with at least one sample each, keeps the total exact.
+    return apportion(per_rank * n, kind.shares(typed(kind.schema, cfg.imbalance), n))
+
+
+def apportion(total: int, shares: list[float]) -> list[int]:
+    """``total`` samples split in proportion to ``shares``, at least one each (``total`` >= their
+    number): largest-remainder rounding keeps the total exact."""
+    n = len(shares)
     exact = [total * s / sum(shares) for s in shares]
     sizes = [max(1, int(x)) for x in exact]
     order = sorted(range(n), key=lambda r: exact[r] - int(exact[r]), reverse=True)

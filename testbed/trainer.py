@@ -15,12 +15,14 @@ from typing import Any
 
 import torch
 
+from testbed.balance import Balancer
 from testbed.buffers import BufferSync
 from testbed.data import BatchSource
 from testbed.eval.evaluate import Evaluator
 from testbed.eval.schedule import LrSchedule
 from testbed.faults import FaultInjector, NonFiniteLoss
 from testbed.imbalance import Injector
+from testbed.imbalance import loss_weight as rank_loss_weight
 from testbed.models.call import ModelCall
 from testbed.results.step_log import StepLog
 from testbed.stall import Arrivals
@@ -57,6 +59,7 @@ class Trainer:
         schedule: LrSchedule | None = None,
         evaluator: Evaluator | None = None,
         noise: GradientNoise | None = None,
+        balancer: Balancer | None = None,
     ) -> None:
         # The model is the synchronizer's (sync.module): a wrapper such as DDP may stand in front of it.
         self.optimizer, self.sync, self.batches = optimizer, sync, batches
@@ -77,6 +80,7 @@ class Trainer:
         self.schedule = schedule  # the learning rate of every step (testbed.eval.schedule); None: optim.lr
         self.evaluator = evaluator  # held-out evaluation every eval.every steps, and the target (testbed.eval)
         self.noise = noise  # the gradient noise scale's estimate (testbed.stats.noise_scale)
+        self.balancer = balancer  # re-decides the ranks' batches from their speeds (testbed.balance)
         self.began = time.perf_counter()  # the run's clock (MLPerf's: it never stops, evaluation included)
 
     def run(self) -> list[StepRecord]:
@@ -140,6 +144,11 @@ class Trainer:
             )
             if losses:
                 last_compute = real_compute_time(record)
+            if self.balancer is not None and (sizes := self.balancer.after_step(step, record)) is not None:
+                self.loss_weight = rank_loss_weight(sizes, world.rank)
+                scale = self.loss_weight / k
+                if self.noise is not None:
+                    self.noise.resize([b * k for b in sizes], self.loss_weight)
             self.step_log.write(record)
             records.append(record)
             if record.loss is not None and not math.isfinite(record.loss):  # recorded, then stop: NaN spreads

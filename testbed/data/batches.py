@@ -29,9 +29,18 @@ class RankBatches:
 
     def __init__(self, inputs: torch.Tensor, targets: torch.Tensor, sizes: list[int], rank: int, seed: int) -> None:
         self.inputs, self.targets = inputs, targets
-        self.per_rank, self.rank, self.seed = sizes[rank], rank, seed
-        self.global_batch, self.offset = sum(sizes), sum(sizes[:rank])
+        self.rank, self.seed = rank, seed
+        self.global_batch = sum(sizes)
+        self.resize(sizes)
         self._orders: dict[int, torch.Tensor] = {}
+
+    def resize(self, sizes: list[int]) -> None:
+        """From the next batch on, every rank's samples per step are ``sizes`` (balance=...): the
+        ranks' shares change, the global batch and its samples do not, so no sample is taken twice
+        or left out."""
+        if sum(sizes) != self.global_batch or min(sizes) < 1:
+            raise ValueError(f"batch sizes {sizes}: each >= 1, summing to the global batch {self.global_batch}")
+        self.per_rank, self.offset = sizes[self.rank], sum(sizes[: self.rank])
 
     def _order(self, epoch: int) -> torch.Tensor:
         if epoch not in self._orders:

@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from testbed import checkpoint
+from testbed.balance import Balancer
 from testbed.buffers import BufferSync
 from testbed.checks import resolved_backend, resolved_device
 from testbed.data import build_data, build_heldout, data_kind, heldout_of
@@ -127,6 +128,8 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
             schedule=schedule_of(cfg, data_kind(cfg.data.name).train_size(cfg.data)),
             evaluator=evaluator,
             noise=noise_probe(cfg, model, sizes, world.rank),
+            balancer=(Balancer(cfg.balance, sizes, world.rank, world.device, resumed, data.resize)
+                      if cfg.balance.name != "none" else None),
         )
         if state is not None:
             checkpoint.restore_rng(state, injector.rng)

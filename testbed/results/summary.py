@@ -152,7 +152,7 @@ def summarize(
             "dropped": [sum(r.dropped or 0 for r in recs) for recs in records_by_rank],  # gradients left out
             "sat_out": [sum(r.loss is None for r in recs) for recs in records_by_rank],  # steps begun too late
         }
-    noise = noise_summary(records_by_rank[0], OmegaConf.create(cfg), summary["throughput"]) if records_by_rank else None
+    noise = noise_summary(records_by_rank, OmegaConf.create(cfg), summary["throughput"]) if records_by_rank else None
     if noise is not None:
         summary["noise_scale"] = noise
     # The first and last steps every rank completed.

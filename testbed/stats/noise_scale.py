@@ -72,11 +72,14 @@ class GradientNoise:
     loss carries (testbed.imbalance.loss_weight), taken off its local gradient."""
 
     def __init__(self, params: list[torch.nn.Parameter], batches: list[int], weight: float, ema: float) -> None:
-        self.params, self.weight = params, weight
-        self.b_small = statistics.harmonic_mean(batches)
-        self.b_big = float(sum(batches))
+        self.params = params
+        self.resize(batches, weight)
         self.scale = NoiseScale(ema)
         self._local_sq = 0.0
+
+    def resize(self, batches: list[int], weight: float) -> None:
+        """The ranks' batches changed (testbed.balance)."""
+        self.weight, self.b_small, self.b_big = weight, statistics.harmonic_mean(batches), float(sum(batches))
 
     def before_sync(self) -> None:
         self._local_sq = squared_norm(p.grad for p in self.params) / self.weight**2
@@ -103,12 +106,12 @@ def noise_probe(cfg: Any, model: torch.nn.Module, sizes: list[int], rank: int) -
     return GradientNoise(params, [b * k for b in sizes], loss_weight(sizes, rank), float(cfg.stats.ema))
 
 
-def b_simple_over(records: list[tuple[float, float]], b_small: float, b_big: float) -> float | None:
-    """B_simple over a stretch of steps, each (|G_small|², |G_big|²): the ratio of the mean
-    estimates, which is how a moving average would see it."""
-    if not records:
+def b_simple_over(steps: list[tuple[float, float, float, float]]) -> float | None:
+    """B_simple over a stretch of steps, each (|G_small|², |G_big|², B_small, B_big): the ratio of
+    the mean estimates, which is how a moving average would see it."""
+    if not steps:
         return None
-    estimates = [two_batch(s, b, b_small, b_big) for s, b in records]
+    estimates = [two_batch(*step) for step in steps]
     grad_sq = statistics.fmean(g for g, _ in estimates)
     trace = statistics.fmean(t for _, t in estimates)
     return trace / grad_sq if grad_sq > 0 else None
@@ -119,32 +122,35 @@ def statistical_efficiency(noise_scale: float, batch: float, base_batch: float) 
     return (noise_scale + base_batch) / (noise_scale + batch)
 
 
-def noise_summary(records: list[Any], cfg: Any, throughput: float | None) -> dict[str, Any] | None:
-    """summary.json's ``noise_scale`` from one rank's step records (every rank logs the same
-    estimate), with Pollux's statistical efficiency and goodput at the run's global batch; None
-    without the estimate."""
+def noise_summary(records_by_rank: list[list[Any]], cfg: Any, throughput: float | None) -> dict[str, Any] | None:
+    """summary.json's ``noise_scale`` from the step records (every rank logs the same norms; the
+    ranks' ``samples`` give each step's batches), with Pollux's statistical efficiency and goodput
+    at the run's global batch; None without the estimate."""
     from testbed.batch import global_batch
-    from testbed.imbalance import shard_batches
 
-    steps = [(r.step, (r.grad_sq_small, r.grad_sq_big)) for r in records if r.grad_sq_small is not None]
+    by_step = [{r.step: r for r in records} for records in records_by_rank]
+    steps = []
+    for step, first in sorted(by_step[0].items()):
+        if first.grad_sq_small is None or any(step not in ranks for ranks in by_step):
+            continue
+        batches = [ranks[step].samples for ranks in by_step]
+        steps.append((step, (first.grad_sq_small, first.grad_sq_big, statistics.harmonic_mean(batches),
+                             float(sum(batches)))))
     if not steps:
         return None
-    k = int(cfg.sync.accumulate)
-    batches = [b * k for b in shard_batches(cfg)]
-    b_small, b_big = statistics.harmonic_mean(batches), float(sum(batches))
-    pairs = [pair for _, pair in steps]
-    third = max(1, len(pairs) // 3)
-    steady = [pair for step, pair in steps if step >= int(cfg.warmup_steps)] or pairs
-    phi = b_simple_over(steady, b_small, b_big)
-    base = float(cfg.stats.base_batch or int(cfg.data.batch_size) * k)
+    run = [estimate for _, estimate in steps]
+    third = max(1, len(run) // 3)
+    steady = [estimate for step, estimate in steps if step >= int(cfg.warmup_steps)] or run
+    phi = b_simple_over(steady)
+    base = float(cfg.stats.base_batch or int(cfg.data.batch_size) * int(cfg.sync.accumulate))
     efficiency = None if phi is None else statistical_efficiency(phi, global_batch(cfg), base)
     return {
         "b_simple": phi,  # over the steady steps
-        "start": b_simple_over(pairs[:third], b_small, b_big),
-        "middle": b_simple_over(pairs[len(pairs) // 2 - third // 2:][:third], b_small, b_big),
-        "end": b_simple_over(pairs[-third:], b_small, b_big),
-        "b_small": b_small,
-        "b_big": b_big,
+        "start": b_simple_over(run[:third]),
+        "middle": b_simple_over(run[len(run) // 2 - third // 2:][:third]),
+        "end": b_simple_over(run[-third:]),
+        "b_small": statistics.fmean(b_small for _, _, b_small, _ in run),  # the harmonic mean of the ranks' batches
+        "b_big": statistics.fmean(b_big for _, _, _, b_big in run),
         "base_batch": base,
         "statistical_efficiency": efficiency,
         "goodput": None if efficiency is None or throughput is None else throughput * efficiency,

@@ -148,6 +148,9 @@ SPEC = SyncSpec(
     no_codec="DDP runs torch's own hooks: use sync.hook=fp16|bf16|powersgd",
     averaged_gradient=lambda cfg: "DDP averages the gradients inside backward, so no rank sees its own; use "
                                   "sync=allreduce (the backend's collective, after backward)",
+    unbalanced=lambda cfg: "DDP's all-reduce runs inside backward, so a rank's backward time includes waiting for the "
+                           "slowest and its own speed is not measured; use sync=allreduce (the same collective, after "
+                           "backward)",
     # DDP always overlaps.
     sim=SimModel(series=NATIVE.series, cost=NATIVE.cost, two_level=NATIVE.two_level, overlap=lambda cfg: True,
                  codec=_hook_codec),

@@ -109,4 +109,6 @@ SPEC = SyncSpec(
                  meets=lambda cfg, step: averages_at(cfg.sync, step)),
     no_codec="it averages parameters, not gradients, and encoding the model delta is not built",
     averaged_gradient=lambda cfg: "local SGD averages parameters every few steps, never a step's gradients",
+    unbalanced=lambda cfg: "a rank's local steps are its own batches', not one global batch's; balance the batches of a "
+                           "synchronous synchronizer",
 )

@@ -49,4 +49,5 @@ class NoSync(Synchronizer):
 
 
 SPEC = SyncSpec(name="none", schema=NoneSyncConfig, impl=NoSync, sim=None, no_codec="nothing is communicated",
-                averaged_gradient=lambda cfg: "nothing is averaged")
+                averaged_gradient=lambda cfg: "nothing is averaged",
+                unbalanced=lambda cfg: "nothing is averaged, so no step waits for a slow rank")

@@ -369,6 +369,15 @@ def _check_backup(cfg: Any) -> None:
             "number of steps, which with backup workers never happens; drop checkpoint.every and resume")
 
 
+def _unbalanced(cfg: Any) -> str | None:
+    if cfg.sync.mode != "sync":
+        return (f"sync.mode={cfg.sync.mode} applies each push on arrival, scaled by 1/n whatever its batch, and no step "
+                "waits for a slow worker; balance synchronous training (sync.mode=sync)")
+    if cfg.sync.backup_workers:
+        return "backup workers leave the late gradients out, so no step's batch is the one balance sized; use one of them"
+    return None
+
+
 @contextmanager
 def _start_servers(
     plain: dict[str, Any], world_size: int, log_dir: Path, hosts: list[tuple[str, str]] | None,
@@ -392,6 +401,7 @@ def _cost(cfg: Any) -> Callable[[float], Cost]:
 
 SPEC = SyncSpec(
     name="ps", schema=PsSyncConfig, impl=ParameterServerSync, check=_check, label=label,
+    unbalanced=_unbalanced,
     averaged_gradient=lambda cfg: "the shards average the gradients and update the parameters, so no worker holds the "
                                   "average (estimating from the pushes at the shards is not built); use sync=allreduce",
     sim=SimModel(series=lambda cfg: f"ps_k{int(cfg.sync.servers)}", cost=_cost, schedule="clocks"),

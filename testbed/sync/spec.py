@@ -107,6 +107,9 @@ class SyncSpec:
     # Why a rank cannot read its own gradient before synchronizing and the averaged one after (the
     # gradient noise scale's estimate, testbed.stats); None: it can.
     averaged_gradient: Callable[[Any], str | None] = overlapped
+    # Why the ranks' batches cannot be balanced (testbed.balance): a step that is not one global
+    # batch's mean gradient; None: they can.
+    unbalanced: Callable[[Any], str | None] = lambda cfg: None
 
     def local_servers(self, cfg: Any) -> int:
         return self.servers.count(cfg) if self.servers else 0
