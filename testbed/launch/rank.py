@@ -228,7 +228,7 @@ def _checkpointer(
     return after
 
 
-def _exit_on_sigterm(grace_s: float = 3.0) -> None:
+def _exit_on_sigterm(grace_s: float = 1.0) -> None:
     """The launcher stops surviving ranks with SIGTERM when one fails. A rank running Python exits
     through its finally blocks, which flush its metrics; one blocked in a collective cannot run a
     Python handler before the collective times out, so a watcher flushes its metrics and ends it

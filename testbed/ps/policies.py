@@ -160,7 +160,7 @@ class Sync(Policy):
         shard = self.shard
 
         def ready(part: int) -> bool:
-            return shard.applied > part or shard.version > version
+            return shard.applied > part or shard.version > version or bool(shard.refusal)
 
         for part in range(len(shard.parts)):
             if not ready(part):
@@ -197,7 +197,7 @@ class Sync(Policy):
             except Exception as exc:  # every later push and pull is refused with it
                 log.exception("shard %d: update of version %d failed", shard.shard, shard.version)
                 with shard.cond:
-                    shard.apply_error = f"{type(exc).__name__}: {exc}"
+                    shard.refusal = f"the update failed: {type(exc).__name__}: {exc}"
                     shard.applied = len(shard.parts)
                     shard.cond.notify_all()
                 return
@@ -289,7 +289,7 @@ class SumsOnly(Sync):
                     take=lambda chunk: self._fold(worker, chunk))
         except Refused as refused:  # partitions of it may be summed already: the step cannot complete
             with shard.cond:
-                shard.apply_error = f"a push of worker {worker} was refused mid-stream ({refused})"
+                shard.refusal = f"the update failed: a push of worker {worker} was refused mid-stream ({refused})"
                 shard.cond.notify_all()
             raise
         finally:
@@ -343,7 +343,7 @@ class SumsOnly(Sync):
         shard = self.shard
         for part in range(len(shard.parts)):
             with shard.cond:
-                shard.cond.wait_for(lambda part=part: self._summed(clock, part) or bool(shard.apply_error))
+                shard.cond.wait_for(lambda part=part: self._summed(clock, part) or bool(shard.refusal))
                 shard.check_updating()
             yield next(messages)
 

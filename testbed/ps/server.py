@@ -56,7 +56,8 @@ def serve(args: argparse.Namespace) -> None:
 
     def stop() -> None:
         health_servicer.enter_graceful_shutdown()
-        server.stop(grace=2.0).wait()
+        shard.close()  # calls waiting (for workers that may be gone) are refused at once
+        server.stop(grace=2.0).wait()  # those transferring get the grace to finish
         stopped.set()
 
     add_servicer(Servicer(shard, stop, args.stream_timeout_s), server)

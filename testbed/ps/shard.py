@@ -77,7 +77,7 @@ class Shard:
         self.blocks: list[range] = []  # partition indices of each block
         self.optimizers: list[torch.optim.Optimizer] = []
         self.applied = 0  # partitions updated to the current version (all of them when idle)
-        self.apply_error = ""
+        self.refusal = ""  # why every later push and pull is refused: a failed update, or stopping
         # Checkpoints after every `checkpoint_every`-th step of the workers' (testbed.ps.shard_checkpoint).
         self.checkpoint_dir: Path | None = None
         self.checkpoint_every = 0
@@ -191,7 +191,7 @@ class Shard:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"push based on version {first.step} > {self.version}")
             # Staged pushes are read until the last partition is updated (only a client that pushes
             # before pulling the previous step can find the update still running).
-            self.cond.wait_for(self.updated)
+            self.cond.wait_for(self.settled)
             self.check_updating()
             self.pushing.add(worker)
         return self.policy.push(worker, first, stream)
@@ -287,9 +287,20 @@ class Shard:
     def updated(self) -> bool:
         return self.applied == len(self.parts)
 
+    def settled(self) -> bool:
+        """(Under the lock) the update is done, or never will be (check_updating says why)."""
+        return self.updated() or bool(self.refusal)
+
+    def close(self) -> None:
+        """Refuse every call still waiting, for workers that may be gone: the server's threads end,
+        so the process exits as soon as it is told to stop rather than at its calls' deadlines."""
+        with self.cond:
+            self.refusal = self.refusal or "the server is stopping"
+            self.cond.notify_all()
+
     def check_updating(self) -> None:
-        if self.apply_error:
-            raise Refused(grpc.StatusCode.INTERNAL, f"shard {self.shard}: the update failed: {self.apply_error}")
+        if self.refusal:
+            raise Refused(grpc.StatusCode.INTERNAL, f"shard {self.shard}: {self.refusal}")
 
     # --- pull ---------------------------------------------------------------------------------
 
@@ -303,7 +314,7 @@ class Shard:
             self.policy.check_pull(worker, clock)
             start = time.perf_counter()
             remaining = context.time_remaining()
-            if not self.cond.wait_for(lambda: self.policy.may_pull(worker, clock) or bool(self.apply_error), timeout=remaining):
+            if not self.cond.wait_for(lambda: self.policy.may_pull(worker, clock) or bool(self.refusal), timeout=remaining):
                 raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED,
                               f"Pull: worker {worker} at clock {clock} still blocked; clocks {self.clocks}")
             self.check_updating()
@@ -340,7 +351,7 @@ class Shard:
         """(Under the lock, compressed pulls) the parameters once the update in progress is done:
         what a worker holds after its pull (in sync mode the update runs on a thread of its own)."""
         assert self.params is not None
-        self.cond.wait_for(self.updated)
+        self.cond.wait_for(self.settled)
         self.check_updating()
         return self.params.detach()
 
