@@ -207,10 +207,67 @@ def test_server_link_is_shared_fairly_by_overlapping_pushes() -> None:
     assert trace.pushed[0] == pytest.approx([BASE + 0.00175, BASE + 0.00275, BASE + 0.003], rel=1e-12)
 
 
+# --- backup workers -----------------------------------------------------------------------------
+
+OWN_LINKS = dict(push_s=PUSH, pull_s=PULL, server_in_s=0.0, server_out_s=0.0)  # no server link: nothing contends
+
+
+def test_backup_workers_step_at_the_order_statistic_of_compute() -> None:
+    """Three workers, one backup: each update takes the first two gradients, so the fast workers' step
+    is the second-fastest compute plus push and pull; the slow worker's gradient never enters. It
+    pushes nothing, waits for the update and pulls the newest version, sitting out the steps the
+    others have made meanwhile (at once where its parameters hold them, else waiting for them)."""
+    fast, second, slow = BASE, 1.3 * BASE, 2 * BASE
+    compute = np.tile([fast, second, slow], (300, 1))
+    trace = simulate_ps(compute, **OWN_LINKS, mode="sync", backup=1)
+    assert trace.step_s[:, :2] == pytest.approx(np.full((300, 2), second + PUSH + PULL), rel=1e-9)
+    assert not trace.dropped[:, :2].any() and not trace.sat_out[:, :2].any()
+    assert (trace.dropped[:, 2] ^ trace.sat_out[:, 2]).all()  # every step of the slow worker: one or the other
+    computed = np.flatnonzero(trace.dropped[:, 2])
+    assert trace.step_s[computed, 2] == pytest.approx(slow + PULL, rel=1e-9)  # no push, the update is there already
+    waited = np.flatnonzero(trace.sat_out[:, 2] & (trace.step_s[:, 2] > 0))
+    skipped = np.flatnonzero(trace.sat_out[:, 2] & (trace.step_s[:, 2] == 0))
+    assert len(waited) and len(skipped)
+    # Each of its pulls is of a version made after the step it was at: the others' pushes of it landed.
+    pulls = np.concatenate([computed, waited])
+    assert (trace.released[pulls, 2] >= trace.pushed[pulls, :2].max(axis=1)).all()
+    assert trace.end[pulls, 2] - trace.released[pulls, 2] == pytest.approx(PULL, rel=1e-9)
+    assert simulate_ps(compute, **OWN_LINKS, mode="sync").step_s == pytest.approx(slow + PUSH + PULL, rel=1e-9)
+
+
+def test_a_late_worker_sends_nothing_through_the_server() -> None:
+    # One server, M beta = 1 ms each way: the two fast pushes share its link (2 ms), and so do their
+    # pulls; without backup workers the slow push joins them and all three pulls share the link.
+    m_beta, slow = 0.001, 2 * BASE
+    links = dict(push_s=m_beta, pull_s=m_beta, server_in_s=m_beta, server_out_s=m_beta)
+    compute = np.array([[BASE, BASE, slow]])
+    backup = simulate_ps(compute, **links, mode="sync", backup=1)
+    assert backup.end[0] == pytest.approx([BASE + 4 * m_beta, BASE + 4 * m_beta, slow + m_beta], rel=1e-12)
+    assert backup.dropped[0].tolist() == [False, False, True]
+    plain = simulate_ps(compute, **links, mode="sync")
+    assert plain.end[0] == pytest.approx(np.full(3, slow + m_beta + 3 * m_beta), rel=1e-12)
+
+
+def test_no_backup_workers_replay_exactly_as_before_them() -> None:
+    """Jitter, incast on one server and latency: the sums of the trace of the simulation as it was
+    before backup workers (commit 2c2a952), to the last bit."""
+    cfg = OmegaConf.create({"name": "jitter", "distribution": "lognormal", "mean_ms": 3.0, "std_ms": 4.0, "ranks": None})
+    compute = compute_times(cfg, 5, 80, [0.01, 0.011, 0.012, 0.02, 0.01], 7)
+    trace = simulate_ps(compute, push_s=0.0014, pull_s=0.0012, server_in_s=0.001, server_out_s=0.0009, mode="sync",
+                        latency_s=0.0004, backup=0)
+    assert trace.end[-1].tolist() == [2.425977111223311] * 5
+    assert [trace.end.sum(), trace.pushed.sum(), trace.released.sum()] == [501.921532630108, 496.8027549355994,
+                                                                          499.9615326301081]
+    assert not trace.dropped.any() and not trace.sat_out.any()
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="mode"):
         simulate_ps(np.ones((2, 2)), **sharded(2), mode="bsp")
     with pytest.raises(ValueError, match="staleness"):
         simulate_ps(np.ones((2, 2)), **sharded(2), mode="ssp", staleness=-1)
+    for backup, mode in ((2, "sync"), (-1, "sync"), (1, "async")):
+        with pytest.raises(ValueError, match="backup"):
+            simulate_ps(np.ones((2, 2)), **sharded(2), mode=mode, backup=backup)
     with pytest.raises(ValueError, match="distribution"):
         expected_max(Jitter("uniform", 1.0, 1.0), 2)

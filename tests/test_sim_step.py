@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import read_json, run_cli
@@ -19,7 +20,7 @@ from testbed.data import spec_for
 from testbed.models import build_model, gradient_bytes
 from testbed.paths import config_dir
 from testbed.results.summary import load_summaries
-from testbed.sim.step import exposed_comm, gradient_ready, gradient_tensors, simulate
+from testbed.sim.step import batches, exposed_comm, gradient_ready, gradient_tensors, predict, simulate
 from testbed.sim.validate import validate
 from testbed.sync.flat import bucket_ends
 
@@ -184,6 +185,79 @@ def test_local_sgd_communicates_every_period_steps() -> None:
     comm = every["step_time"] - COMPUTE
     # Steady steps 2..21 hold five averagings (steps 3, 7, ..., 19): the mean step is compute + comm / 4.
     assert 4 * 64 / local["throughput"] == pytest.approx(COMPUTE + comm / 4, rel=1e-3)
+
+
+STRAGGLED_PS = ["sync=ps", "world_size=3", "imbalance=straggler", "imbalance.ranks=[2]", "steps=100",
+                "sim.gradient_mb=0.01"]  # a small gradient: compute sets the pace
+
+
+@pytest.mark.unit
+def test_backup_workers_go_at_the_fast_ranks_pace_without_the_straggler() -> None:
+    """Three ranks, the third 2x slower, one backup worker: each update takes the two fast ranks'
+    gradients, so they go at their own pace (two pushes and two pulls through the one server); the
+    straggler's gradients are dropped or its steps sat out, and its samples count nothing."""
+    plain, backup = (simulate(cfg_of([*STRAGGLED_PS, f"sync.backup_workers={b}"])) for b in (0, 1))
+    m = sum(gradient_tensors(cfg_of(STRAGGLED_PS)))
+    fast = COMPUTE + parameter_server(2, m).time(Link(ALPHA, BETA))
+    assert backup["throughput"] == pytest.approx(2 * 64 / fast, rel=1e-3)  # the straggler's pull rarely shares the link
+    assert plain["throughput"] < 0.8 * backup["throughput"] and "backup" not in plain
+    dropped, sat_out = backup["backup"]["dropped"], backup["backup"]["sat_out"]
+    assert dropped[:2] == sat_out[:2] == [0, 0]
+    assert dropped[2] + sat_out[2] == 100 and dropped[2] > 0 and sat_out[2] > 0
+    straggler = predict(cfg_of([*STRAGGLED_PS, "sync.backup_workers=1"])).records[2]
+    assert all(r.samples == 0 and (r.t_forward > 0) == (r.dropped == 1) for r in straggler)
+
+
+@pytest.mark.unit
+def test_balanced_batches_follow_the_speeds_and_keep_the_global_batch() -> None:
+    """Speeds [1, 0.5]: balance=dynamic gives the slow rank a third of the global batch, so both
+    finish together and the throughput approaches the ideal, the sum of the speeds."""
+    args = ["sync=allreduce", "world_size=2", "imbalance=heterogeneous", "imbalance.speeds=[1.0,0.5]", "steps=100",
+            "warmup_steps=10", "balance.every=5", "sim.gradient_mb=0.01"]
+    ideal = (1.0 + 0.5) / (COMPUTE / 64)
+    none, static, dynamic = (simulate(cfg_of([*args, f"balance={b}"])) for b in ("none", "static", "dynamic"))
+    assert none["throughput"] == pytest.approx(1.0 / (COMPUTE / 64), rel=0.05)  # the slow rank's pace, twice
+    assert dynamic["throughput"] > 0.95 * ideal and dynamic["throughput"] > 1.4 * none["throughput"]
+    assert static["throughput"] == pytest.approx(dynamic["throughput"], rel=0.01)  # the speeds do not drift
+    records = predict(cfg_of([*args, "balance=dynamic"])).records
+    samples = np.array([[r.samples for r in rank] for rank in records]).T
+    assert (samples[:5] == 64).all() and samples[20:].tolist() == [[85, 43]] * 80  # decided after steps 4, 9, ...
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("balance", ["static", "dynamic"])
+def test_balanced_batches_give_every_rank_a_sample(balance: str) -> None:
+    cfg = cfg_of(["sync=ring", "world_size=3", "imbalance=heterogeneous", "imbalance.speeds=[1.0,0.02,0.5]",
+                  "data.batch_size=2", f"balance={balance}", "balance.every=1"])
+    sizes, _ = batches(cfg, COMPUTE / 64, 0.0, 1)
+    assert (sizes.sum(axis=1) == 6).all() and (sizes >= 1).all()
+    assert sizes[-1].tolist() == [3, 1, 2]  # in proportion to the speeds, at least one each
+
+
+PRESET_SIM = ["sim.calibration=docs/sim/calibration.json", "sim.compute_ms_per_sample=0.1", "seed=0"]
+
+
+def preset(name: str, overrides: list[str]):
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        return compose(config_name="config", overrides=[f"+experiment={name}", *PRESET_SIM, *overrides])
+
+
+@pytest.mark.unit
+def test_the_backup_workers_preset_is_simulated() -> None:
+    """The preset's straggler (rank 2, 2x) on the calibrated loopback: one backup worker shortens the
+    step, which is then the straggler's compute and pull (it no longer pushes)."""
+    step = {b: simulate(preset("backup_workers", ["sync=ps", f"sync.backup_workers={b}"]))["step_time"] for b in (0, 1)}
+    assert step[1] < step[0]
+    for other in (["sync=ps_async"], ["sync=ps", "balance=dynamic"]):
+        assert simulate(preset("backup_workers", other))["status"] == "ok"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("sync", ["ring", "ps"])
+def test_the_balance_preset_is_simulated(sync: str) -> None:
+    throughput = {b: simulate(preset("balance", [f"sync={sync}", f"balance={b}"]))["throughput"]
+                  for b in ("none", "static", "dynamic")}
+    assert throughput["dynamic"] > 1.5 * throughput["none"] and throughput["static"] > 1.5 * throughput["none"]
 
 
 def test_the_cli_predicts_a_sweep_to_1024_workers(tmp_path: Path) -> None:

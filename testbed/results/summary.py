@@ -150,7 +150,8 @@ def summarize(
     if any(r.dropped is not None for recs in records_by_rank for r in recs):  # backup workers, warm-up included
         summary["backup"] = {
             "dropped": [sum(r.dropped or 0 for r in recs) for recs in records_by_rank],  # gradients left out
-            "sat_out": [sum(r.loss is None for r in recs) for recs in records_by_rank],  # steps begun too late
+            # steps begun too late: no samples and no gradient dropped (a simulated record has no loss either way)
+            "sat_out": [sum(r.samples == 0 and not r.dropped for r in recs) for recs in records_by_rank],
         }
     noise = noise_summary(records_by_rank, OmegaConf.create(cfg), summary["throughput"]) if records_by_rank else None
     if noise is not None:

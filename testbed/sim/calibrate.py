@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy.optimize import nnls
 
 from testbed.collectives.registry import COLLECTIVES
 from testbed.costs import Cost, Link, parameter_server
@@ -90,6 +89,8 @@ def load_records(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
 
 
 def _fit_series(link: str, impl: str, rows: list[tuple[Cost, float]]) -> Fit:
+    from scipy.optimize import nnls  # here, not above: every launcher and rank imports this module
+
     coef = np.array([[cost.messages, cost.bytes] for cost, _ in rows])
     measured = np.array([t for _, t in rows])
     # Gamma is not fitted: on CPUs the reduction runs inside the measured bandwidth term, and for ring
@@ -150,9 +151,10 @@ def lookup(fits: list[Fit], link: str, impl: str) -> Fit:
 def compute_per_sample(job_dir: Path, warmup: int | None = None) -> dict[str, float]:
     """Medians over the steps of a world_size 1 run after ``warmup`` steps (default: the first 20%, >= 1).
 
-    Compute is data + forward + backward + optimizer; injected delays and sync are left out.
+    Compute is data + forward + backward + optimizer; injected delays and sync are left out, and so
+    are the steps a backup worker's update took no samples of (testbed.sync.ps).
     """
-    records = read_step_log(metrics_path(Path(job_dir), 0))
+    records = [r for r in read_step_log(metrics_path(Path(job_dir), 0)) if r["samples"]]
     if warmup is None:
         warmup = max(1, len(records) // 5)
     if warmup < 0:

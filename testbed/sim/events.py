@@ -8,9 +8,10 @@ A synchronous step (all-reduce, or a BSP parameter server) waits for the slowest
 
 ``simulate_ps`` replays a parameter server event by event, in its three modes: each worker computes,
 pushes, waits at the pull gate (sync: the whole round has pushed; ssp: the slowest worker is at most
-``staleness`` clocks behind; async: never), pulls, and starts its next step. Server links are shared
-fairly by the transfers in flight, as TCP streams into one NIC are, so n simultaneous pushes into one
-server take n times as long as one (incast).
+``staleness`` clocks behind; async: never), pulls, and starts its next step; with backup workers a
+sync step's update takes the first n - b gradients, and a late worker pushes nothing and pulls the
+newest version. Server links are shared fairly by the transfers in flight, as TCP streams into one
+NIC are, so n simultaneous pushes into one server take n times as long as one (incast).
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy.integrate import quad
-from scipy.optimize import bisect, brentq
 
 from testbed.imbalance import Injector
 from testbed.ps.modes import MODES, staleness_bound
@@ -31,23 +30,34 @@ from testbed.ps.modes import MODES, staleness_bound
 # --- compute times ------------------------------------------------------------------------------
 
 
-def compute_times(imbalance_cfg: Any, n: int, steps: int, base_s: float | Sequence[float], seed: int) -> np.ndarray:
-    """Compute time of each rank (columns) at each step (rows): base compute plus the injected delay.
+class Delays:
+    """The imbalance group's injected delay of every rank, one step after the other, as each rank's
+    ``Injector`` draws it in the trainer (same seed, same draws)."""
 
-    ``base_s`` is one compute time for all ranks or one per rank. Factor-based delays scale the
-    rank's previous base compute, as the trainer scales the previous step's measured compute (which
-    excludes the injected wait); step 0 has no previous step and gets none.
-    """
+    def __init__(self, imbalance_cfg: Any, n: int, seed: int) -> None:
+        # The injector holds its config as a dataclass: no DictConfig lookups in n x steps draws.
+        self.injectors = [Injector(imbalance_cfg, rank, seed) for rank in range(n)]
+
+    def draw(self, last_compute: np.ndarray | None) -> np.ndarray:
+        """The next step's delays. Factor-based delays scale ``last_compute``, each rank's compute of
+        its previous step, as the trainer scales the previous step's measured compute (which excludes
+        the injected wait); None, the first step, has none to scale and gets none."""
+        if last_compute is None:
+            return np.array([injector.delay_s(None) for injector in self.injectors])
+        return np.array([injector.delay_s(float(c)) for injector, c in zip(self.injectors, last_compute)])
+
+
+def compute_times(imbalance_cfg: Any, n: int, steps: int, base_s: float | Sequence[float], seed: int) -> np.ndarray:
+    """Compute time of each rank (columns) at each step (rows): base compute plus the injected delay
+    (``Delays``). ``base_s`` is one compute time for all ranks or one per rank."""
     base = np.asarray(base_s, dtype=float)
     if base.ndim == 0:
         base = np.full(n, float(base))
     if base.shape != (n,):
         raise ValueError(f"base_s must be one value or {n} values, got shape {base.shape}")
-    times = np.empty((steps, n))
-    for rank in range(n):
-        # The injector holds its config as a dataclass: no DictConfig lookups in n x steps draws.
-        injector, b = Injector(imbalance_cfg, rank, seed), float(base[rank])
-        times[:, rank] = [b + injector.delay_s(b if step else None) for step in range(steps)]
+    delays, times = Delays(imbalance_cfg, n, seed), np.empty((steps, n))
+    for step in range(steps):
+        times[step] = base + delays.draw(base if step else None)
     return times
 
 
@@ -95,6 +105,9 @@ def expected_max(dist: Jitter, n: int) -> float:
     Below ``lo`` the integrand is 1 to double precision and above ``hi`` it is below 1e-16, so only
     [lo, hi], where it falls, is integrated numerically: quad over [0, inf) could miss a narrow drop.
     """
+    from scipy.integrate import quad  # here, not above: every launcher and rank imports this module
+    from scipy.optimize import bisect, brentq
+
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
 
@@ -135,9 +148,11 @@ class PsTrace:
     mode: str
     staleness: int
     start: np.ndarray  # compute begins
-    pushed: np.ndarray  # the server has the push: the worker's clock advances to step + 1
+    pushed: np.ndarray  # the server has the push: the clock advances (a late backup worker: ready to pull)
     released: np.ndarray  # the pull gate opens
     end: np.ndarray  # the pull is done: the step ends
+    dropped: np.ndarray  # backup workers: computed, but too late for the step's update (no push)
+    sat_out: np.ndarray  # backup workers: not computed, the step's update made without the worker
 
     @property
     def wait_s(self) -> np.ndarray:
@@ -223,6 +238,7 @@ def simulate_ps(
     mode: str = "sync",
     staleness: int = 0,
     latency_s: float = 0.0,
+    backup: int = 0,
 ) -> PsTrace:
     """Replay workers computing ``compute`` [steps, n] against a parameter server.
 
@@ -234,6 +250,12 @@ def simulate_ps(
     ``latency_s`` (alpha, included in ``push_s`` and ``pull_s``) passes before a transfer reaches
     the server's link, so n simultaneous pushes take alpha + n M beta, as the calibration's
     parameter-server cost has it, not max(alpha + M beta, n M beta).
+
+    ``backup`` workers (sync mode; testbed.sync.ps): a worker whose backward is done takes the step's
+    next ticket; the first n - b push, and the step's update is made once their pushes have landed.
+    A later one pushes nothing, waits for that update and pulls the newest version; the steps it
+    finds made already it sits out, as does a worker that begins a step whose tickets are all taken
+    (it waits for that step's update instead of computing).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -241,7 +263,10 @@ def simulate_ps(
         raise ValueError(f"staleness must be >= 0, got {staleness}")
     compute = np.asarray(compute, dtype=float)
     steps, n = compute.shape
+    if not 0 <= backup < max(n, 1) or (backup and mode != "sync"):
+        raise ValueError(f"backup must be in [0, {n}) and only in sync mode, got {backup} in {mode}")
     start, pushed, released, end = (np.zeros((steps, n)) for _ in range(4))
+    dropped, sat_out = np.zeros((steps, n), dtype=bool), np.zeros((steps, n), dtype=bool)
     # A sync pull waits for the round, that is the slowest clock reaching the puller's: ssp with s = 0.
     bound = staleness_bound(mode, staleness)
 
@@ -278,22 +303,74 @@ def simulate_ps(
     slowest = 0
     gate: list[tuple[int, int]] = []  # (slowest clock needed, worker) of pulls held back
 
+    # Backup workers: one decision per step for all shards, from the step's ticket counter.
+    needed = n - backup  # the pushes a step's update takes
+    tickets, landed = [0] * steps, [0] * steps  # per step: backwards done, pushes the server has
+    version = 0  # steps whose update is made
+    held, pulling = [0] * n, [0] * n  # the version of each worker's parameters, and of its pull
+    awaiting: list[tuple[int, int]] = []  # (version needed, worker) of pulls held back
+
+    def pull(now: float, worker: int) -> None:
+        released[step[worker], worker] = now
+        pulling[worker] = version  # the shard streams its newest parameters
+        transfer(now, 1, worker, pull_s)
+
+    def pull_at(now: float, worker: int, needed_version: int) -> None:
+        if version >= needed_version:
+            pull(now, worker)
+        else:
+            heapq.heappush(awaiting, (needed_version, worker))
+
+    def begin(now: float, worker: int) -> None:
+        """The worker's next step: computed, or sat out where its update is made without the worker."""
+        while step[worker] < steps:
+            s = step[worker]
+            start[s, worker] = now
+            if backup and held[worker] > s:  # its parameters hold this step's update already: nothing to do
+                sat_out[s, worker] = True
+                pushed[s, worker] = released[s, worker] = end[s, worker] = now
+                step[worker] += 1
+            elif backup and tickets[s] >= needed:  # too late to begin: wait for the step's update
+                sat_out[s, worker] = True
+                pushed[s, worker] = now
+                pull_at(now, worker, s + 1)
+                return
+            else:
+                at(now + compute[s, worker], _COMPUTED, worker)
+                return
+
     for worker in range(n):
-        at(compute[0, worker], _COMPUTED, worker)
+        begin(0.0, worker)
     while events:
-        now, _, kind, who, version = heapq.heappop(events)
-        if kind == _COMPUTED:  # gradient ready: push it
-            transfer(now, 0, who, push_s)
+        now, _, kind, who, link_version = heapq.heappop(events)
+        if kind == _COMPUTED:  # gradient ready: push it, unless n - b others were first
+            s = step[who]
+            tickets[s] += 1
+            if backup and tickets[s] > needed:  # late: the update goes on without it; no push
+                dropped[s, who] = True
+                pushed[s, who] = now
+                pull_at(now, who, s + 1)
+            else:
+                transfer(now, 0, who, push_s)
         elif kind == _ENTER:  # past the latency: the transfer reaches the server's link
             enter(now, who % 2, who // 2)
         elif kind == _LINK:  # a server link finished transfers; each is done once its worker's link is too
             link = links[who]
-            if version != link.version:
+            if link_version != link.version:
                 continue  # superseded: a transfer joined or left since this was scheduled
             for worker in link.finish(now):
                 at(max(now, own_done[who][worker]), done_kind[who], worker)
             if (finish := link.next_finish()) is not None:
                 at(finish, _LINK, who, link.version)
+        elif kind == _PUSHED and backup:  # the step's update is made with its first n - b pushes
+            s = step[who]
+            pushed[s, who] = now
+            landed[s] += 1
+            if landed[s] == needed:
+                version = s + 1
+                while awaiting and awaiting[0][0] <= version:
+                    pull(now, heapq.heappop(awaiting)[1])
+            pull_at(now, who, s + 1)
         elif kind == _PUSHED:  # the server has applied (or staged) the push; the worker wants to pull
             pushed[step[who], who] = now
             at_clock[clocks[who]] -= 1
@@ -303,13 +380,10 @@ def simulate_ps(
                 slowest += 1
             heapq.heappush(gate, (clocks[who] - bound if bound is not None else -1, who))
             while gate and gate[0][0] <= slowest:  # every pull the slowest worker's clock now allows
-                worker = heapq.heappop(gate)[1]
-                released[step[worker], worker] = now
-                transfer(now, 1, worker, pull_s)
+                pull(now, heapq.heappop(gate)[1])
         else:  # _PULLED: fresh parameters; the step ends and the next begins
             end[step[who], who] = now
+            held[who] = pulling[who]
             step[who] += 1
-            if step[who] < steps:
-                start[step[who], who] = now
-                at(now + compute[step[who], who], _COMPUTED, who)
-    return PsTrace(mode, staleness, start, pushed, released, end)
+            begin(now, who)
+    return PsTrace(mode, staleness, start, pushed, released, end, dropped, sat_out)

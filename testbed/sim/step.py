@@ -2,8 +2,9 @@
 
 The model composes, per rank and step:
 - compute: forward, backward and data time per sample (measured on a world_size 1 run, or given)
-  times the rank's batch and accumulation micro-steps, plus the optimizer; ranks sharing
-  ``sim.cores`` cores slow down in proportion;
+  times the rank's batch (under ``balance=static|dynamic``, the batch the trainer's rule gives it
+  at that step) and accumulation micro-steps, plus the optimizer; ranks sharing ``sim.cores``
+  cores slow down in proportion;
 - the imbalance group's delays, drawn exactly as the trainer draws them (testbed.sim.events);
 - communication: the synchronizer's alpha-beta cost (testbed.costs) per bucket, with the
   link fitted for that synchronizer's implementation (where the run compresses: of the codec's
@@ -12,7 +13,7 @@ The model composes, per rank and step:
   thread, and only what is left after backward is exposed (the iteration model of cost-model.md,
   simulated rather than bounded);
 - the barrier: synchronous modes wait for the slowest rank every step, local SGD every ``period``
-  steps, and the parameter server's SSP and async modes run the worker-clock simulation.
+  steps, and the parameter server's modes (backup workers included) run the worker-clock simulation.
 
 The result is per-rank step records in the trainer's format, summarized by the same code as a real
 run, so ``summary.json`` has the same fields (marked ``simulated``).
@@ -38,7 +39,7 @@ from testbed.checks import require
 from testbed.collectives.common import chunk_bounds
 from testbed.costs import ZERO, Cost, Link, allgather
 from testbed.data import spec_for
-from testbed.imbalance import shard_batches
+from testbed.imbalance import apportion, shard_batches
 from testbed.models import build_model
 from testbed.models.call import example_batch, model_call
 from testbed.netem import parse_rate
@@ -46,7 +47,7 @@ from testbed.paths import in_checkout
 from testbed.results.summary import summarize
 from testbed.sim import calibrate, codecs
 from testbed.sim.codecs import CodecPlan, Compressed
-from testbed.sim.events import compute_times, simulate_ps
+from testbed.sim.events import Delays, simulate_ps
 from testbed.step_record import StepRecord
 from testbed.sync import run_label, spec_of
 from testbed.sync.flat import bucket_ends
@@ -298,6 +299,67 @@ def _barrier(compute: np.ndarray, meet: np.ndarray, comm_s: np.ndarray) -> tuple
     return wait, comm
 
 
+class _Balance:
+    """testbed.balance.Balancer's decisions for every rank at once: each rank's samples per second
+    of the work that grows with its batch (data, injected delay, forward, backward) over a window of
+    ``every`` steps (step 0, which has no injected delay yet, unmeasured), and the global batch split
+    in proportion from the next step on; ``static`` decides once, ``dynamic`` after every window."""
+
+    def __init__(self, cfg: Any, n: int) -> None:
+        self.every, self.once = int(cfg.every), cfg.name == "static"
+        self.samples, self.seconds, self.decided = np.zeros(n), np.zeros(n), False
+
+    def after_step(self, step: int, sizes: np.ndarray, samples: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+        """The batches from the next step on."""
+        if self.once and self.decided:
+            return sizes
+        if step > 0:
+            self.samples += samples
+            self.seconds += seconds
+        if (step + 1) % self.every or not self.seconds.all():
+            return sizes
+        speeds = self.samples / self.seconds
+        self.samples[:], self.seconds[:], self.decided = 0.0, 0.0, True
+        return np.array(apportion(int(sizes.sum()), speeds.tolist()))
+
+
+def batches(cfg: Any, per_sample_s: float, optimizer_s: float, accumulate: int) -> tuple[np.ndarray, np.ndarray]:
+    """(batch, injected delay) of each rank (columns) at each step (rows).
+
+    Batches are the shards' (testbed.imbalance.shard_batches) or, under ``balance=static|dynamic``,
+    decided from the ranks' simulated speeds, delays included: a rank of the heterogeneous kind at
+    speed s takes 1/s as long per sample, so it is given a share of the global batch in proportion
+    to s. The delays are drawn step by step, as the trainer draws them, since a factor-based delay
+    scales the rank's previous compute, whose batch a decision may have changed.
+    """
+    n, steps = int(cfg.world_size), int(cfg.steps)
+    balance = cfg.get("balance")  # absent in the configs of runs from before balanced batches
+    balancer = _Balance(balance, n) if balance is not None and balance.name != "none" else None
+    draws = Delays(cfg.imbalance, n, int(cfg.seed))
+    sizes = np.array(shard_batches(cfg))
+    batch, delay = np.empty((steps, n), dtype=int), np.empty((steps, n))
+    for t in range(steps):
+        batch[t] = sizes
+        delay[t] = draws.draw(accumulate * batch[t - 1] * per_sample_s + optimizer_s if t else None)
+        if balancer is not None:
+            micro = accumulate * sizes
+            sizes = balancer.after_step(t, sizes, micro, micro * per_sample_s + delay[t])
+    return batch, delay
+
+
+@dataclass
+class _Sync:
+    """Synchronization's part of each step (rows) of each rank (columns), in seconds, and with backup
+    workers whose gradient was left out."""
+
+    wait: np.ndarray
+    comm: np.ndarray
+    encode: np.ndarray | None = None
+    decode: np.ndarray | None = None
+    dropped: np.ndarray | None = None  # backup workers: computed too late for the step's update
+    sat_out: np.ndarray | None = None  # backup workers: not computed, the update made without the rank
+
+
 @dataclass
 class Prediction:
     records: list[list[StepRecord]]  # per rank, per step
@@ -307,15 +369,13 @@ class Prediction:
 def predict(cfg: Any) -> Prediction:
     n, steps, sync = int(cfg.world_size), int(cfg.steps), cfg.sync
     accumulate = int(sync.get("accumulate", 1))
-    sizes = shard_batches(cfg)
     compute = Compute.from_sim(cfg.sim)
     threads = max(1, int(cfg.threads_per_rank))
     slowdown = max(1.0, n * threads / cfg.sim.cores) if cfg.sim.cores else 1.0
     per_sample = [slowdown * x for x in (compute.data_s, compute.forward_s, compute.backward_s)]
     optimizer_s = slowdown * compute.optimizer_s
-    base = [accumulate * b * sum(per_sample) + optimizer_s for b in sizes]
-    delays = compute_times(cfg.imbalance, n, steps, base, int(cfg.seed)) - np.array(base)
-    work = np.array(base) + delays  # [steps, n]
+    sizes, delays = batches(cfg, sum(per_sample), optimizer_s, accumulate)
+    work = accumulate * sizes * sum(per_sample) + optimizer_s + delays  # [steps, n]
 
     tensors = gradient_tensors(cfg)
     gradient_bytes = sum(tensors)
@@ -324,12 +384,11 @@ def predict(cfg: Any) -> Prediction:
     costing = spec.sim if spec.sim is not None and (n > 1 or spec.communicates_alone or coded) else None
     facts: dict[str, Any] = {"gradient_bytes": gradient_bytes, "compute": asdict(compute), "slowdown": slowdown}
     if costing is None:  # nobody to talk to: every rank keeps its own pace
-        wait, comm = np.zeros_like(work), np.zeros_like(work)
-        return Prediction(_records(cfg, sizes, per_sample, optimizer_s, accumulate, delays, wait, comm), facts)
+        alone = _Sync(np.zeros_like(work), np.zeros_like(work))
+        return Prediction(_records(sizes, per_sample, optimizer_s, accumulate, delays, alone), facts)
     link, facts["link"] = link_for(cfg, costing.series(cfg))
     facts["impl"] = costing.series(cfg)
     cost = costing.cost(cfg)
-    encode = decode = None
     intra = _intra_link(cfg, costing, coded) if _nodes(cfg) else None
     two_level = costing.two_level(cfg) if intra is not None and costing.two_level is not None else None
 
@@ -341,34 +400,40 @@ def predict(cfg: Any) -> Prediction:
     if costing.schedule == "clocks":
         numel = round(gradient_bytes / 4)
         plan = _plan(cfg, [[torch.Size([hi - lo])] for lo, hi in chunk_bounds(numel, int(sync.servers))])
-        wait, comm, encode, decode = _parameter_server(cfg, work, gradient_bytes, link, plan, intra)
+        timing = _parameter_server(cfg, work, gradient_bytes, link, plan, intra)
     elif costing.schedule == "average":  # the whole model, at the steps the ranks meet
         plan = None
         meet = np.array([costing.meets(cfg, t) for t in range(steps)])
-        wait, comm = _barrier(work, meet, np.where(meet, cost_s(gradient_bytes), 0.0))
+        timing = _Sync(*_barrier(work, meet, np.where(meet, cost_s(gradient_bytes), 0.0)))
     else:  # buckets, every step
         ends = _bucket_ends(cfg, tensors)
         bounds = list(zip([0, *ends], ends))
         buckets = [sum(tensors[a:b]) for a, b in bounds]
         overlap = costing.overlap(cfg)
-        backward = per_sample[2] * max(sizes)  # the boundary micro-step's backward
         shares = gradient_ready(cfg) if overlap else None
         ready = [max(shares[a:b]) for a, b in bounds] if shares else None
         facts.update(buckets=len(buckets), overlap=overlap, ready_from="flops" if ready else "bytes")
-        exposed = np.full(steps, exposed_comm(buckets, [cost_s(b) for b in buckets], backward, overlap, ready))
         shapes = gradient_shapes(cfg)
         plan = _plan(cfg, [shapes[a:b] for a, b in bounds]) if coded else None
+        times = {False: [cost_s(b) for b in buckets]}
+        coded_steps = np.zeros(steps, dtype=bool)
         if plan is not None:
             coded_steps = np.arange(steps) >= plan.uncompressed_steps
-            times = [_bucket_s(part, cost, link, n) for part in plan.parts]
-            exposed[coded_steps] = exposed_comm(buckets, times, backward, overlap, ready)
+            times[True] = [_bucket_s(part, cost, link, n) for part in plan.parts]
+
+        @functools.cache
+        def exposed_at(batch: int, coded_step: bool) -> float:  # behind the backward of the largest batch
+            return exposed_comm(buckets, times[coded_step], per_sample[2] * batch, overlap, ready)
+
+        exposed = np.array([exposed_at(int(b), bool(c)) for b, c in zip(sizes.max(axis=1), coded_steps)])
+        timing = _Sync(*_barrier(work, np.full(steps, True), exposed))
+        if plan is not None:
             per_step = np.where(coded_steps, 1.0, 0.0)[:, None] * np.ones(n)
-            encode = per_step * sum(p.encode_s for p in plan.parts)
-            decode = per_step * sum(p.decode_s * (1 if p.linear else n) for p in plan.parts)
-        wait, comm = _barrier(work, np.full(steps, True), exposed)
+            timing.encode = per_step * sum(p.encode_s for p in plan.parts)
+            timing.decode = per_step * sum(p.decode_s * (1 if p.linear else n) for p in plan.parts)
     if plan is not None:
         facts["compress"] = plan.facts
-    return Prediction(_records(cfg, sizes, per_sample, optimizer_s, accumulate, delays, wait, comm, encode, decode), facts)
+    return Prediction(_records(sizes, per_sample, optimizer_s, accumulate, delays, timing), facts)
 
 
 def _plan(cfg: Any, groups: list[list[torch.Size]]) -> CodecPlan | None:
@@ -388,13 +453,14 @@ def _plan(cfg: Any, groups: list[list[torch.Size]]) -> CodecPlan | None:
 
 def _parameter_server(
     cfg: Any, work: np.ndarray, nbytes: float, link: Link, plan: CodecPlan | None, intra: Link | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
-    """(wait at the pull gate, transfer, encode, decode) per step and rank from the worker-clock
+) -> _Sync:
+    """Wait at the pull gate, transfer, encode and decode per step and rank from the worker-clock
     simulation; with a codec, a worker encodes every shard before it pushes, each shard decodes
     every push, and compressed pulls are encoded by the shard (once per version in sync mode, for
     each worker otherwise) and decoded by the worker. On two levels (``intra``: the link inside a
     node; ``link``: the uplinks) a node's workers push and pull through one uplink at once, and each
-    shard has a machine of its own."""
+    shard has a machine of its own. With ``sync.backup_workers`` (testbed.sim.events.simulate_ps), a
+    step a worker sits out is neither computed nor pushed: it waits for the update and pulls."""
     k, mode = int(cfg.sync.servers), str(cfg.sync.mode)
     push, pull = nbytes, nbytes
     server_in = server_out = nbytes / k * link.beta  # what each push (or pull) puts on every server's link
@@ -414,37 +480,42 @@ def _parameter_server(
             server_out = widest.payload * link.beta + (0.0 if mode == "sync" else widest.encode_s)
             own_extra = decode[0, 0] + (widest.encode_s if mode == "sync" else 0.0)
         work = work + encode
+    backup = int(cfg.sync.get("backup_workers") or 0)
     trace = simulate_ps(work, push_s=link.alpha + push * link.beta, pull_s=link.alpha + pull * link.beta + own_extra,
                         server_in_s=server_in, server_out_s=server_out, mode=mode,
-                        staleness=int(cfg.sync.staleness), latency_s=link.alpha)
-    wait = trace.wait_s
-    return wait, trace.step_s - work - wait + (encode if encode is not None else 0.0), encode, decode
+                        staleness=int(cfg.sync.staleness), latency_s=link.alpha, backup=backup)
+    wait, computed = trace.wait_s, np.where(trace.sat_out, 0.0, work)
+    comm = trace.step_s - computed - wait + (encode if encode is not None else 0.0)
+    return _Sync(wait, comm, encode, decode, *((trace.dropped, trace.sat_out) if backup else ()))
 
 
 def _records(
-    cfg: Any, sizes: list[int], per_sample: list[float], optimizer_s: float, accumulate: int,
-    delays: np.ndarray, wait: np.ndarray, comm: np.ndarray, encode: np.ndarray | None = None,
-    decode: np.ndarray | None = None,
+    sizes: np.ndarray, per_sample: list[float], optimizer_s: float, accumulate: int, delays: np.ndarray, timing: _Sync,
 ) -> list[list[StepRecord]]:
     """The trainer's step records, with what only a run knows left None (testbed.step_record); a
-    codec's encode and decode (busy, as a run's) are inside the sync time."""
+    codec's encode and decode (busy, as a run's) are inside the sync time. With backup workers a
+    dropped gradient's samples count 0, and a step sat out has no compute, as in a run."""
     data_s, forward_s, backward_s = per_sample
+    steps, n = delays.shape
+    dropped = timing.dropped if timing.dropped is not None else np.zeros((steps, n), dtype=bool)
+    sat_out = timing.sat_out if timing.sat_out is not None else np.zeros((steps, n), dtype=bool)
     out = []
-    for rank, batch in enumerate(sizes):
-        micro = accumulate * batch
-        phases = {"t_data": micro * data_s, "t_forward": micro * forward_s, "t_backward": micro * backward_s,
-                  "t_optimizer": optimizer_s}
+    for rank in range(n):
         rows = []
-        for t in range(delays.shape[0]):
-            sync_s = float(wait[t, rank] + comm[t, rank])
+        for t in range(steps):
+            micro = 0 if sat_out[t, rank] else accumulate * int(sizes[t, rank])
+            phases = {"t_data": micro * data_s, "t_forward": micro * forward_s, "t_backward": micro * backward_s,
+                      "t_optimizer": 0.0 if sat_out[t, rank] else optimizer_s}
+            injected = 0.0 if sat_out[t, rank] else float(delays[t, rank])
+            sync_s = float(timing.wait[t, rank] + timing.comm[t, rank])
             rows.append(StepRecord(
-                step=t, rank=rank, samples=micro, loss=None, **phases,
-                t_injected=float(delays[t, rank]), t_sync=sync_s, t_wait=float(wait[t, rank]),
-                t_comm=float(comm[t, rank]), t_step=sum(phases.values()) + float(delays[t, rank]) + sync_s,
+                step=t, rank=rank, samples=0 if dropped[t, rank] else micro, loss=None, **phases,
+                t_injected=injected, t_sync=sync_s, t_wait=float(timing.wait[t, rank]),
+                t_comm=float(timing.comm[t, rank]), t_step=sum(phases.values()) + injected + sync_s,
                 bytes_sent=None, bytes_recv=None, t_sync_enter=None, t_sync_exit=None,
-                t_encode=None if encode is None else float(encode[t, rank]),
-                t_decode=None if decode is None else float(decode[t, rank]),
-                lr=None,
+                t_encode=None if timing.encode is None else float(timing.encode[t, rank]),
+                t_decode=None if timing.decode is None else float(timing.decode[t, rank]),
+                lr=None, dropped=None if timing.dropped is None else int(dropped[t, rank]),
             ))
         out.append(rows)
     return out
