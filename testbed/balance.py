@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -73,30 +74,52 @@ BALANCES = options(
 )
 
 
+class SpeedWindow:
+    """Samples per second of the work that grows with the batch (data, injected slowness, forward,
+    backward), summed over windows of ``every`` steps after ``first`` (whose compute has no injected
+    slowness yet: not measured); ``once`` (static) closes one window only. The rule the trainer's
+    Balancer and the simulator (testbed.sim.step) both decide by: one rank's floats, or every
+    rank's numpy arrays."""
+
+    def __init__(self, every: int, once: bool, first: int) -> None:
+        self.every, self.once, self.first = every, once, first
+        self.samples: Any = 0
+        self.seconds: Any = 0.0
+        self.decided = False
+
+    def add(self, step: int, samples: Any, seconds: Any) -> bool:
+        """Counts this step's work; True when it ends a window in which every rank was measured."""
+        if self.once and self.decided:
+            return False
+        if step > self.first:
+            self.samples = self.samples + samples
+            self.seconds = self.seconds + seconds
+        return not (step + 1 - self.first) % self.every and bool(np.all(self.seconds))
+
+    def take(self) -> Any:
+        """The window's speeds, and a new window."""
+        speeds = self.samples / self.seconds
+        self.samples, self.seconds, self.decided = 0, 0.0, True
+        return speeds
+
+
 class Balancer:
     """Decides the ranks' batches from their measured speeds; ``resize`` applies new sizes to this
     rank's batch stream."""
 
     def __init__(self, cfg: Any, sizes: list[int], rank: int, device: torch.device, start_step: int,
                  resize: Callable[[list[int]], None]) -> None:
-        self.every, self.once = int(cfg.every), cfg.name == "static"
+        self.window = SpeedWindow(int(cfg.every), cfg.name == "static", start_step)
         self.sizes, self.rank, self.device, self.resize = list(sizes), rank, device, resize
-        self.first = start_step  # its compute has no injected slowness yet (testbed.imbalance): not measured
-        self.samples, self.seconds, self.decided = 0, 0.0, False
 
     def after_step(self, step: int, record: StepRecord) -> list[int] | None:
         """The new sizes when this step ends a window and they change, else None."""
-        if self.once and self.decided:
-            return None
-        if step > self.first:
-            self.samples += record.samples
-            self.seconds += record.t_data + record.t_injected + record.t_forward + record.t_backward
-        if (step + 1 - self.first) % self.every or not self.seconds:
+        seconds = record.t_data + record.t_injected + record.t_forward + record.t_backward
+        if not self.window.add(step, record.samples, seconds):
             return None
         speeds = torch.zeros(len(self.sizes), dtype=torch.float64, device=self.device)
-        speeds[self.rank] = self.samples / self.seconds
+        speeds[self.rank] = self.window.take()
         dist.all_reduce(speeds)  # every rank decides from the same speeds: the same sizes
-        self.samples, self.seconds, self.decided = 0, 0.0, True
 
         sizes = apportion(sum(self.sizes), speeds.cpu().tolist())
         if sizes == self.sizes:

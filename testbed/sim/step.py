@@ -35,6 +35,7 @@ from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
 from testbed import config
+from testbed.balance import SpeedWindow
 from testbed.checks import require
 from testbed.collectives.common import chunk_bounds
 from testbed.costs import ZERO, Cost, Link, allgather
@@ -299,30 +300,6 @@ def _barrier(compute: np.ndarray, meet: np.ndarray, comm_s: np.ndarray) -> tuple
     return wait, comm
 
 
-class _Balance:
-    """testbed.balance.Balancer's decisions for every rank at once: each rank's samples per second
-    of the work that grows with its batch (data, injected delay, forward, backward) over a window of
-    ``every`` steps (step 0, which has no injected delay yet, unmeasured), and the global batch split
-    in proportion from the next step on; ``static`` decides once, ``dynamic`` after every window."""
-
-    def __init__(self, cfg: Any, n: int) -> None:
-        self.every, self.once = int(cfg.every), cfg.name == "static"
-        self.samples, self.seconds, self.decided = np.zeros(n), np.zeros(n), False
-
-    def after_step(self, step: int, sizes: np.ndarray, samples: np.ndarray, seconds: np.ndarray) -> np.ndarray:
-        """The batches from the next step on."""
-        if self.once and self.decided:
-            return sizes
-        if step > 0:
-            self.samples += samples
-            self.seconds += seconds
-        if (step + 1) % self.every or not self.seconds.all():
-            return sizes
-        speeds = self.samples / self.seconds
-        self.samples[:], self.seconds[:], self.decided = 0.0, 0.0, True
-        return np.array(apportion(int(sizes.sum()), speeds.tolist()))
-
-
 def batches(cfg: Any, per_sample_s: float, optimizer_s: float, accumulate: int) -> tuple[np.ndarray, np.ndarray]:
     """(batch, injected delay) of each rank (columns) at each step (rows).
 
@@ -334,16 +311,17 @@ def batches(cfg: Any, per_sample_s: float, optimizer_s: float, accumulate: int) 
     """
     n, steps = int(cfg.world_size), int(cfg.steps)
     balance = cfg.get("balance")  # absent in the configs of runs from before balanced batches
-    balancer = _Balance(balance, n) if balance is not None and balance.name != "none" else None
+    balanced = balance is not None and balance.name != "none"
+    window = SpeedWindow(int(balance.every), balance.name == "static", 0) if balanced else None
     draws = Delays(cfg.imbalance, n, int(cfg.seed))
     sizes = np.array(shard_batches(cfg))
     batch, delay = np.empty((steps, n), dtype=int), np.empty((steps, n))
     for t in range(steps):
         batch[t] = sizes
         delay[t] = draws.draw(accumulate * batch[t - 1] * per_sample_s + optimizer_s if t else None)
-        if balancer is not None:
-            micro = accumulate * sizes
-            sizes = balancer.after_step(t, sizes, micro, micro * per_sample_s + delay[t])
+        micro = accumulate * sizes
+        if window is not None and window.add(t, micro, micro * per_sample_s + delay[t]):
+            sizes = np.array(apportion(int(sizes.sum()), window.take().tolist()))
     return batch, delay
 
 
