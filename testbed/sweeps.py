@@ -23,11 +23,18 @@ from testbed.results.summary import ATTEMPTS, config_hash
 HYDRA_OWN = (".hydra", "testbed.log")  # what Hydra writes into a job directory before the job runs
 
 
+def _normal(override: str) -> str:
+    """``+key=value`` as ``key=value``, and a boolean as written either way: a sweep over
+    ``x=true,false`` names its jobs ``x=True`` and ``x=False``."""
+    key, sep, value = override.lstrip("+").partition("=")
+    return f"{key}{sep}{value.lower() if value in ('True', 'False') else value}"
+
+
 def excluded(overrides: Iterable[str], exclude: Sequence[Sequence[str]]) -> list[str] | None:
     """The entry of ``exclude`` whose overrides a job's ``overrides`` all include, else None."""
-    given = {o.lstrip("+") for o in overrides}
+    given = {_normal(o) for o in overrides}
     for entry in exclude or ():
-        if entry and all(str(o).lstrip("+") in given for o in entry):
+        if entry and all(_normal(str(o)) in given for o in entry):
             return [str(o) for o in entry]
     return None
 

@@ -184,6 +184,9 @@ def test_a_sweep_leaves_out_the_points_it_excludes() -> None:
         check_command_line(sweep)
     assert excluded(["sync=ps", "+paper_model=vgg16", "compress=powersgd"], [["sync=ps", "compress=powersgd"]])
     assert excluded(["sync=ps_sharded", "compress=powersgd"], [["sync=ps", "compress=powersgd"]]) is None
+    # A sweep over x=true,false names its jobs x=True and x=False: either spelling excludes them.
+    assert excluded(["sync=ring", "sync.overlap=False"], [["sync=ring", "sync.overlap=false"]])
+    assert excluded(["sync=ring", "sync.overlap=True"], [["sync=ring", "sync.overlap=false"]]) is None
 
 
 def test_long_override_lists_give_short_unique_job_directories() -> None:
