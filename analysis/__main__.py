@@ -4,9 +4,10 @@ Loads the runs, prints the comparison table, and writes figures (PNG and PDF) an
 scaling efficiency and throughput against workers, speed-up and marginal speed-up (diminishing
 returns), step time, idle fraction and time to a target loss against every other swept override,
 loss against wall-clock time, held-out accuracy against wall-clock and samples and time to the
-held-out target with its interval (analysis.accuracy), the per-step time breakdown, and, where runs differ in codec, each
-codec against none under each synchronizer, and on two-level networks what crossed each machine's
-uplink. Given the JSON records of
+held-out target with its interval (analysis.accuracy), steps to target against the global batch
+with the critical batch fitted and B_simple's prediction (analysis.critical_batch), the per-step
+time breakdown, and, where runs differ in codec, each codec against none under each synchronizer,
+and on two-level networks what crossed each machine's uplink. Given the JSON records of
 ``python -m testbed.bench`` (and ``testbed.bench.ps``), it draws the collective benchmark (figure 2)
 with the alpha-beta fits the simulator uses.
 """
@@ -18,7 +19,17 @@ import os
 import sys
 from pathlib import Path
 
-from analysis import accuracy, collectives, compression, dashboard, figures, published, topology, validation
+from analysis import (
+    accuracy,
+    collectives,
+    compression,
+    critical_batch,
+    dashboard,
+    figures,
+    published,
+    topology,
+    validation,
+)
 from analysis.load import load
 from analysis.metrics import aggregate, aggregate_by, breakdown, loss_curves, swept_keys, time_to_target
 from analysis.report import write_report
@@ -79,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         written += figures.step_breakdown(runs, out)
     sections = [published.horovod_section(table)] if not table.empty else []
     figs, section = accuracy.analyse(runs, out)
+    written += figs
+    sections.append(section)
+    figs, section = critical_batch.analyse(runs, out)
     written += figs
     sections.append(section)
     figs, section = compression.analyse(runs, out)

@@ -41,6 +41,7 @@ def run_row(summary: dict[str, Any], overrides: list[str], source: str) -> dict[
     row["tta_reached"] = bool(target.get("reached"))
     row["tta_s"], row["tta_steps"], row["tta_epochs"] = target.get("seconds"), target.get("steps"), target.get("epochs")
     row["tta_eval_share"] = target.get("t_eval_share")
+    row["b_simple"] = (summary.get("noise_scale") or {}).get("b_simple")  # stats.noise_scale only
     row["overrides"] = ",".join(overrides)
     # The sync option as chosen (ps_sharded), which the per-run label (ps-sync k=4) does not keep.
     row["option"] = next((o.split("=", 1)[1] for o in overrides if o.startswith("sync=")), row["sync"])
