@@ -24,7 +24,7 @@ STEPS = 10
 # Rank 2 waits 80 ms before each forward pass: the others' gradients of a step (a few ms) are in first.
 RUN = ["sync=ps", "world_size=3", f"steps={STEPS}", "warmup_steps=1", "data.scaling=strong", "data.batch_size=60",
        "data.num_samples=120", "data.shape=[24]", "model.hidden=32", "imbalance=straggler", "imbalance.ranks=[2]",
-       "imbalance.slowdown=0", "imbalance.delay_ms=80", "launcher.echo_rank0=false"]
+       "imbalance.slowdown=0", "imbalance.delay_ms=80", "stats.noise_scale=true", "launcher.echo_rank0=false"]
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +44,10 @@ def test_no_backup_workers_is_bitwise_plain_synchronous_training(runs: dict[str,
     assert b0["param_hash"] == plain["param_hash"] and "backup" not in b0
 
 
-def replay(chosen: list[list[int]]) -> dict[str, torch.Tensor]:
+def replay(chosen: list[list[int]]) -> tuple[dict[str, torch.Tensor], list[tuple[float, float]]]:
     """One process trains the run's model step by step on the batches of exactly the ranks that
-    ``chosen[step]`` names, averaged in rank order, with the servers' optimizer."""
+    ``chosen[step]`` names, averaged in rank order, with the servers' optimizer: the final model, and
+    each step's mean squared norm of those ranks' gradients and squared norm of their average."""
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[*RUN, "sync.backup_workers=1", "device=cpu"])
     sizes = shard_batches(cfg)
@@ -59,6 +60,7 @@ def replay(chosen: list[list[int]]) -> dict[str, torch.Tensor]:
     optimizer = build_optimizer(cfg.optim, model.parameters())
     call = model_call(cfg.model)
     params = [p for p in model.parameters() if p.requires_grad]
+    norms = []
     for step, ranks in enumerate(chosen):
         grads = []
         for rank in ranks:
@@ -70,8 +72,10 @@ def replay(chosen: list[list[int]]) -> dict[str, torch.Tensor]:
             for more in grads[1:]:
                 total.add_(more[i])
             p.grad = total.div_(len(ranks))
+        local_sq = [sum(float(g.double().pow(2).sum()) for g in grad) for grad in grads]
+        norms.append((sum(local_sq) / len(ranks), sum(float(p.grad.double().pow(2).sum()) for p in params)))
         optimizer.step()
-    return {k: v.detach() for k, v in model.state_dict().items()}
+    return {k: v.detach() for k, v in model.state_dict().items()}, norms
 
 
 def test_each_update_is_the_mean_of_exactly_the_first_gradients(runs: dict[str, Path]) -> None:
@@ -92,7 +96,16 @@ def test_each_update_is_the_mean_of_exactly_the_first_gradients(runs: dict[str, 
     assert (stats["version"], stats["pushes"], stats["rejected"]) == (STEPS, 2 * STEPS, 0)  # late workers send nothing
     # Every worker catches up: the replicas end on the servers' model, which is the replay's.
     assert summary["replicas_identical"]
-    assert relative_error(load_params(job), replay(chosen)) <= TOL
+    final, norms = replay(chosen)
+    assert relative_error(load_params(job), final) <= TOL
+    # The shards measured the noise scale's norms over the same two workers. A rank logs them when the
+    # update it pulled was its step's: not when it sat the step out, nor when the others were a step
+    # further on by its pull (a late rank's often are).
+    for step, (local_sq, big_sq) in enumerate(norms):
+        logged = [(log[step]["grad_sq_small"], log[step]["grad_sq_big"]) for log in logs
+                  if log[step].get("grad_sq_small") is not None]
+        assert logged and all(got == (pytest.approx(local_sq, rel=TOL), pytest.approx(big_sq, rel=TOL)) for got in logged)
+    assert summary["noise_scale"]["b_big"] == 40  # the two workers' batches the updates took, not the three's
 
 
 REFUSED = {

@@ -56,7 +56,7 @@ def test_statistical_efficiency_is_pollux_s() -> None:
         two_batch(1.0, 1.0, 8, 8)
 
 
-RUN = ["sync=ring", "world_size=2", "steps=6", "warmup_steps=1", "stats.noise_scale=true", "imbalance=uneven",
+RUN = ["world_size=2", "steps=6", "warmup_steps=1", "stats.noise_scale=true", "imbalance=uneven",
        "imbalance.skew=3", "data.batch_size=16", "data.num_samples=256", "data.shape=[24]", "model.hidden=32",
        "launcher.echo_rank0=false"]
 
@@ -64,7 +64,7 @@ RUN = ["sync=ring", "world_size=2", "steps=6", "warmup_steps=1", "stats.noise_sc
 def local_gradients_at_step_zero() -> tuple[list[torch.Tensor], list[int]]:
     """Each rank's mean gradient on its first batch, from the initial model, in this process."""
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[*RUN, "device=cpu"])
+        cfg = compose(config_name="config", overrides=[*RUN, "sync=ring", "device=cpu"])
     sizes = shard_batches(cfg)
     grads = []
     for rank in range(cfg.world_size):
@@ -76,8 +76,11 @@ def local_gradients_at_step_zero() -> tuple[list[torch.Tensor], list[int]]:
     return grads, sizes
 
 
-def test_a_run_logs_the_norms_of_the_local_and_averaged_gradients(tmp_path: Path) -> None:
-    proc = run_cli([*RUN, f"hydra.run.dir={tmp_path / 'job'}"], cwd=tmp_path)
+# A collective: the ranks measure, with one scalar all-reduce. Parameter servers: the shards measure,
+# from the pushes, each its slice of the average (two shards: the slices add up).
+@pytest.mark.parametrize("sync", [["sync=ring"], ["sync=ps", "sync.servers=2"]], ids=["ring", "ps"])
+def test_a_run_logs_the_norms_of_the_local_and_averaged_gradients(tmp_path: Path, sync: list[str]) -> None:
+    proc = run_cli([*RUN, *sync, f"hydra.run.dir={tmp_path / 'job'}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     logs = [read_jsonl(tmp_path / "job" / "metrics" / f"rank{r}.jsonl") for r in range(2)]
     assert [[r["grad_sq_small"], r["grad_sq_big"]] for r in logs[0]] == [[r["grad_sq_small"], r["grad_sq_big"]]
@@ -101,7 +104,10 @@ def test_a_run_logs_the_norms_of_the_local_and_averaged_gradients(tmp_path: Path
 REFUSED = {
     ("stats.noise_scale=true",): "world_size >= 2",
     ("stats.noise_scale=true", "world_size=2", "sync=ddp"): "DDP averages the gradients inside backward",
-    ("stats.noise_scale=true", "world_size=2", "sync=ps"): "no worker holds the average",
+    ("stats.noise_scale=true", "world_size=2", "sync=ps", "sync.mode=async"): "no update averages the workers' gradients",
+    ("stats.noise_scale=true", "world_size=2", "sync=ps", "sync.mode=ssp"): "no update averages the workers' gradients",
+    ("stats.noise_scale=true", "world_size=2", "sync=ps", "sync.servers=2", "sync.overlap=true"):
+        "before a worker has its own gradient's norm",
     ("stats.noise_scale=true", "world_size=2", "sync=local_sgd"): "never a step's gradients",
     ("stats.noise_scale=true", "world_size=2", "sync=allreduce", "sync.overlap=true"): "drop sync.overlap",
     ("stats.ema=1.0",): "stats.ema=1.0",

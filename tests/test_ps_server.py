@@ -24,7 +24,7 @@ from testbed.ps import parameter_server_pb2_grpc as pb_grpc
 from testbed.ps.client import PsClient, PsError
 from testbed.ps.service import Servicer, add_servicer
 from testbed.ps.shard import Shard
-from testbed.ps.wire import CHANNEL_OPTIONS, auth_metadata, chunks
+from testbed.ps.wire import CHANNEL_OPTIONS, LOCAL_SQ_HEADER, StepNorms, auth_metadata, chunks
 
 NUMEL = 1000
 
@@ -76,6 +76,7 @@ def test_bad_requests_are_refused_and_change_nothing(tmp_path: Path) -> None:
             "truncated push": (push(*good[:2]), grpc.StatusCode.INVALID_ARGUMENT),
             "worker changes mid-stream": (push(*altered(2, worker=0)), grpc.StatusCode.INVALID_ARGUMENT),
             "empty push": (push(), grpc.StatusCode.INVALID_ARGUMENT),
+            "norm not a number": (push(*good, metadata=(*auth, (LOCAL_SQ_HEADER, "nan"))), grpc.StatusCode.INVALID_ARGUMENT),
             "pull ahead of pushes": (
                 lambda: list(stub.Pull(pb.PullRequest(worker=1, shard=0, clock=3), timeout=10, metadata=auth)),
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -93,14 +94,17 @@ def test_bad_requests_are_refused_and_change_nothing(tmp_path: Path) -> None:
         assert stats.rejected == len(refused) - 2  # the token check refuses before the service counts
 
         # The shard still serves valid workers, and none of the refused data leaked into the update.
+        # Their pushes carry their own squared norms (stats.noise_scale): the pull's trailer has their
+        # mean and the squared norm of the averaged gradient, 1000 elements of 2.
         grads = [torch.full((NUMEL,), 1.0), torch.full((NUMEL,), 3.0)]
-        threads = [threading.Thread(target=w.push, args=([g], [0])) for w, g in zip(workers, grads)]
+        threads = [threading.Thread(target=w.push, args=([g], [0], sq)) for w, g, sq in zip(workers, grads, (4.0, 16.0))]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         params = torch.empty(NUMEL)
-        assert workers[1].pull([params], clock=1).versions == [1]
+        pulled = workers[1].pull([params], clock=1)
+        assert pulled.versions == [1] and pulled.norms == [StepNorms(local_sq=10.0, slice_sq=4000.0, workers=2)]
         assert torch.equal(params, initial - LR * (grads[0] + grads[1]) / 2)
         for w in workers:
             w.close()

@@ -127,7 +127,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
             after_step=_checkpointer(cfg, Path(job_dir), world.rank, model, optimizer, injector, step_log),
             schedule=schedule_of(cfg, data_kind(cfg.data.name).train_size(cfg.data)),
             evaluator=evaluator,
-            noise=noise_probe(cfg, model, sizes, world.rank),
+            noise=noise_probe(cfg, model, sizes, world.rank, sync),
             balancer=(Balancer(cfg.balance, sizes, world.rank, world.device, resumed, data.resize)
                       if cfg.balance.name != "none" else None),
         )

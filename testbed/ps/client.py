@@ -18,7 +18,9 @@ from testbed.latency import link_delay
 from testbed.ps import parameter_server_pb2 as pb
 from testbed.ps import parameter_server_pb2_grpc as pb_grpc
 from testbed.ps.wire import (
+    LOCAL_SQ_HEADER,
     SERVICE,
+    StepNorms,
     auth_metadata,
     byte_view,
     copy_in,
@@ -51,6 +53,7 @@ class PullResult:
     versions: list[int]
     blocked_s: float  # longest time a shard held the pull back for slower workers (sync, ssp)
     slowest_clock: int  # the slowest worker's clock when the pull was released (min over shards)
+    norms: list[StepNorms | None]  # per shard: what a sync update measured (stats.noise_scale), else None
 
 
 class PsClient:
@@ -107,22 +110,24 @@ class PsClient:
 
         return self._each(send)
 
-    def push_shard(self, i: int, grad: torch.Tensor, base_version: int) -> pb.PushReply:
-        """Push shard ``i``'s whole gradient (computed on parameters of ``base_version``)."""
+    def push_shard(self, i: int, grad: torch.Tensor, base_version: int, local_sq: float | None = None) -> pb.PushReply:
+        """Push shard ``i``'s whole gradient (computed on parameters of ``base_version``); with
+        ``local_sq``, this worker's own squared gradient norm (stats.noise_scale)."""
         link_delay()  # one emulated latency per request (testbed.latency)
         stream = encoded_chunks(grad, self.ids[i], self.worker, base_version, self.chunk_bytes, self._view(grad))
-        return self._call(i, "Push", lambda: self._push[i](stream, timeout=self.timeout_s, metadata=self.metadata))
+        metadata = self.metadata if local_sq is None else (*self.metadata, (LOCAL_SQ_HEADER, repr(local_sq)))
+        return self._call(i, "Push", lambda: self._push[i](stream, timeout=self.timeout_s, metadata=metadata))
 
-    def push(self, grads: list[torch.Tensor], base_versions: list[int]) -> list[pb.PushReply]:
-        return self._each(lambda i: self.push_shard(i, grads[i], base_versions[i]))
+    def push(self, grads: list[torch.Tensor], base_versions: list[int], local_sq: float | None = None) -> list[pb.PushReply]:
+        return self._each(lambda i: self.push_shard(i, grads[i], base_versions[i], local_sq))
 
     def pull(self, params: list[torch.Tensor], clock: int, full: bool = False,
              decoders: list[Any] | None = None) -> PullResult:
         """Pull every shard into ``params``. With ``decoders`` (one codec per shard: compressed
         pulls) a shard may send the encoded update since what this worker holds, which is decoded
         and added; ``full`` asks for the whole parameters instead."""
-        def receive(i: int) -> tuple[int, float, int]:
-            def run() -> tuple[int, float, int]:
+        def receive(i: int) -> tuple[int, float, int, StepNorms | None]:
+            def run() -> tuple[int, float, int, StepNorms | None]:
                 link_delay()
                 call = self._pull[i](pb.PullRequest(worker=self.worker, shard=self.ids[i], clock=clock, full=full),
                                      timeout=self.timeout_s, metadata=self.metadata)
@@ -146,12 +151,14 @@ class PsClient:
                     update = torch.empty_like(params[i])
                     decoders[i].decode(into, update)
                     params[i].add_(update)
-                return version, float(meta.get("blocked-seconds", 0.0)), int(meta.get("slowest-clock", 0))
+                norms = StepNorms.of(call.trailing_metadata())
+                return version, float(meta.get("blocked-seconds", 0.0)), int(meta.get("slowest-clock", 0)), norms
 
             return self._call(i, "Pull", run)
 
         results = self._each(receive)
-        return PullResult([r[0] for r in results], max(r[1] for r in results), min(r[2] for r in results))
+        return PullResult([r[0] for r in results], max(r[1] for r in results), min(r[2] for r in results),
+                          [r[3] for r in results])
 
     def push_pull(self, grads: list[torch.Tensor], base_versions: list[int], clock: int) -> PullResult:
         """Push every shard and pull it back into ``grads`` at once: a summation-only shard streams

@@ -88,7 +88,10 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Push(self, request_iterator, context):
-        """Missing associated documentation comment in .proto file."""
+        """Under stats.noise_scale a push's metadata carries local-grad-sq, its worker's own squared
+        gradient norm, and a sync pull's trailing metadata step-grad-sq, what the shard measured of the
+        update it streamed: "<mean of the averaged workers' norms> <its slice's of the average> <workers>".
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

@@ -44,12 +44,14 @@ import torch
 from testbed.ps import parameter_server_pb2 as pb
 from testbed.ps.shard_checkpoint import save_if_agreed
 from testbed.ps.validation import Refused, receive
-from testbed.ps.wire import Chunk
+from testbed.ps.wire import Chunk, StepNorms
 
 if TYPE_CHECKING:
     from testbed.ps.shard import Shard
 
 log = logging.getLogger(__name__)
+
+NORMS_KEPT = 8  # versions whose update's norms a sync shard keeps for late pulls
 
 
 class Policy(ABC):
@@ -116,6 +118,7 @@ class Sync(Policy):
         super().__init__(shard)
         self.needed = shard.workers  # pushes that complete a step
         self.chosen: list[int] = []  # the workers whose pushes the step in progress averages
+        self.chosen_sq: list[float | None] = []  # their own squared gradient norms (stats.noise_scale)
 
     def hold(self) -> None:
         threading.Thread(target=self._update_loop, name=f"ps{self.shard.shard}-update", daemon=True).start()
@@ -133,6 +136,7 @@ class Sync(Policy):
         shard.pending.add(worker)
         if len(shard.pending) == self.needed:  # the step is complete: hand it to the update thread
             self.chosen = sorted(shard.pending)  # summed in worker order, whatever the arrival order
+            self.chosen_sq = [shard.local_sq[w] for w in self.chosen]
             shard.version += 1
             shard.applied = 0
             shard.pending.clear()
@@ -183,15 +187,21 @@ class Sync(Policy):
             with shard.cond:
                 shard.cond.wait_for(self.update_due)
                 step, chosen = shard.version - 1, self.chosen  # the step the chosen workers pushed
-            start = time.perf_counter()
+                local_sq = self.chosen_sq
+            # stats.noise_scale: every push carried its worker's own norm, so the update measures its own
+            measure = all(sq is not None for sq in local_sq)
+            start, slice_sq = time.perf_counter(), 0.0
             try:
                 for block in range(len(shard.blocks)):
-                    shard.step_block(block, chosen, step, self.needed)
+                    slice_sq += shard.step_block(block, chosen, step, self.needed, measure)
                     with shard.cond:
                         shard.applied = shard.blocks[block].stop
                         if shard.updated():
                             shard.staged = [[] for _ in range(shard.workers)]  # the received messages can go
                             shard.apply_seconds += time.perf_counter() - start
+                            if measure:
+                                self._measured(step + 1, StepNorms(sum(sq or 0.0 for sq in local_sq) / len(chosen), slice_sq,
+                                                                     len(chosen)))
                             save_if_agreed(shard)
                         shard.cond.notify_all()
             except Exception as exc:  # every later push and pull is refused with it
@@ -201,6 +211,15 @@ class Sync(Policy):
                     shard.applied = len(shard.parts)
                     shard.cond.notify_all()
                 return
+
+
+    def _measured(self, version: int, norms: StepNorms) -> None:
+        """(Under the lock) keep the norms of the update that made ``version`` for its pulls' trailers;
+        a pull streams the newest version or, with backup workers, one of the few before it."""
+        shard = self.shard
+        shard.norms[version] = norms
+        for old in [v for v in shard.norms if v < version - NORMS_KEPT]:
+            del shard.norms[old]
 
 
 class Backup(Sync):

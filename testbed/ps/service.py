@@ -14,7 +14,7 @@ from google.protobuf.message import DecodeError
 from testbed.ps import parameter_server_pb2 as pb
 from testbed.ps import parameter_server_pb2_grpc as pb_grpc
 from testbed.ps.shard import Shard
-from testbed.ps.validation import Refused
+from testbed.ps.validation import Refused, local_sq_of
 from testbed.ps.wire import SERVICE, TOKEN_HEADER, Chunk, decode_chunk, passthrough
 
 # The longest a streamed request (InitParams, Push) may take, whatever the client's deadline.
@@ -70,7 +70,8 @@ class Servicer(pb_grpc.ParameterServerServicer):
         return self._bounded(context, request_iterator, self.shard.init_params)
 
     def Push(self, request_iterator, context):  # noqa: N802
-        return self._bounded(context, request_iterator, self.shard.push)
+        return self._bounded(context, request_iterator,
+                             lambda requests: self.shard.push(requests, local_sq_of(context.invocation_metadata())))
 
     def Pull(self, request, context):  # noqa: N802
         try:

@@ -27,7 +27,7 @@ from testbed.ps import parameter_server_pb2 as pb
 from testbed.ps.held_copies import HeldCopies
 from testbed.ps.policies import policy_for
 from testbed.ps.validation import Refused, check_worker, receive
-from testbed.ps.wire import FROM_WIRE, TO_WIRE, Chunk, byte_view, chunk_ranges, copy_in, encoded_chunks
+from testbed.ps.wire import FROM_WIRE, TO_WIRE, Chunk, StepNorms, byte_view, chunk_ranges, copy_in, encoded_chunks
 
 # An optimizer per block of partitions of this size: small enough that a pull's first chunks wait
 # little for the update, large enough that the optimizer's per-call cost stays small.
@@ -65,6 +65,10 @@ class Shard:
         # Each worker's staged push, one tensor per partition: views of the received chunks.
         self.staged: list[list[torch.Tensor]] = [[] for _ in range(workers)]
         self.pushing: set[int] = set()  # workers with a push stream in progress
+        # stats.noise_scale: each worker's own squared gradient norm, as its latest push carried it, and
+        # what sync updates measured (by the version they made), for the pulls' trailers.
+        self.local_sq: list[float | None] = [None] * workers
+        self.norms: dict[int, StepNorms] = {}
         self.reading: Counter[int] = Counter()  # pulls streaming, by the version they stream
         self.histogram: Counter[int] = Counter()
         self.stats = Counter()  # bytes_in, bytes_out, pushes, pulls, rejected
@@ -176,7 +180,8 @@ class Shard:
 
     # --- push ---------------------------------------------------------------------------------
 
-    def push(self, stream: Iterator[Chunk]) -> pb.PushReply:
+    def push(self, stream: Iterator[Chunk], local_sq: float | None = None) -> pb.PushReply:
+        """``local_sq``: the worker's own squared gradient norm (stats.noise_scale), or None."""
         first = next(stream, None)
         if first is None:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "Push: empty stream")
@@ -194,6 +199,7 @@ class Shard:
             self.cond.wait_for(self.settled)
             self.check_updating()
             self.pushing.add(worker)
+            self.local_sq[worker] = local_sq
         return self.policy.push(worker, first, stream)
 
     def staged_push(self, worker: int, first: Chunk, stream: Iterator[Chunk]) -> pb.PushReply:
@@ -270,12 +276,15 @@ class Shard:
             grad.add_(more)
         return grad.div_(over)
 
-    def step_block(self, block: int, workers: range | list[int], step: int, over: int) -> None:
+    def step_block(self, block: int, workers: range | list[int], step: int, over: int, measure: bool = False) -> float:
         """Apply block ``block`` of the workers' step ``step`` (0-based: the pushing worker's clock
         before this push), their pushes summed over ``over``, at the learning rate the run's
-        schedule gives that step."""
+        schedule gives that step; with ``measure``, the squared norm of the block's gradient (else 0)."""
+        squared = 0.0
         for part in self.blocks[block]:
             grad = self.gradient(part, workers, over)  # a summation-only shard's lands in its values: done
+            if measure:
+                squared += float(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2
             if self.optimizers:
                 self.part_params[part].grad = grad
         if self.optimizers:
@@ -283,6 +292,7 @@ class Shard:
             for group in optimizer.param_groups:
                 group["lr"] = self.schedule.lr_at(step)
             optimizer.step()
+        return squared
 
     def updated(self) -> bool:
         return self.applied == len(self.parts)
@@ -337,15 +347,25 @@ class Shard:
             if payload is not None:
                 context.send_initial_metadata((*meta, ("encoded", "1")))
                 yield from encoded_chunks(payload, self.shard, 0, version, self.chunk_bytes, byte_view(payload))
+                self._trail_norms(context, version)
                 return
             context.send_initial_metadata(meta)
             yield from self.policy.stream(iter(self.pull_messages(source, version)), clock, version)
+            self._trail_norms(context, version)
         finally:
             with self.cond:
                 self.reading[version] -= 1
                 if not self.reading[version]:
                     del self.reading[version]
                 self.cond.notify_all()
+
+    def _trail_norms(self, context: grpc.ServicerContext, version: int) -> None:
+        """A streamed pull's trailer: what the update that made ``version`` measured, if anything
+        (stats.noise_scale; the whole version has been streamed, so its update is done)."""
+        with self.cond:
+            norms = self.norms.get(version)
+        if norms is not None:
+            context.set_trailing_metadata((norms.header(),))
 
     def _settled(self) -> torch.Tensor:
         """(Under the lock, compressed pulls) the parameters once the update in progress is done:

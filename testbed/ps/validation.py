@@ -3,13 +3,15 @@ is refused with a status code (testbed.ps.service answers with it) and a message
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 import torch
 
 from testbed.ps import parameter_server_pb2 as pb
-from testbed.ps.wire import FROM_WIRE, Chunk
+from testbed.ps.wire import FROM_WIRE, LOCAL_SQ_HEADER, Chunk
 
 
 class Refused(Exception):
@@ -23,6 +25,21 @@ class Refused(Exception):
 def check_worker(worker: int, workers: int) -> None:
     if worker >= workers:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"worker {worker} out of range [0, {workers})")
+
+
+def local_sq_of(metadata: Any) -> float | None:
+    """A push's worker's own squared gradient norm (stats.noise_scale), from the call's metadata;
+    None without one."""
+    value = dict(metadata or ()).get(LOCAL_SQ_HEADER)
+    if value is None:
+        return None
+    try:
+        local_sq = float(value)
+    except ValueError:
+        local_sq = -1.0
+    if not (math.isfinite(local_sq) and local_sq >= 0):
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"Push: {LOCAL_SQ_HEADER} {value!r} is not a finite squared norm")
+    return local_sq
 
 
 def check_chunk(chunk: Chunk, shard: int, expected: int, numel: int, dtype: torch.dtype, worker_bound: int) -> None:

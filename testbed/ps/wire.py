@@ -74,6 +74,36 @@ def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
     return ((TOKEN_HEADER, f"Bearer {token}"),)
 
 
+# The gradient noise scale (stats.noise_scale, testbed.stats.noise_scale) rides the calls that carry
+# the gradients, as metadata: a push carries its worker's own squared gradient norm, and a sync
+# pull's trailer what the shard measured of the update it streamed.
+LOCAL_SQ_HEADER = "local-grad-sq"
+STEP_NORMS_HEADER = "step-grad-sq"
+
+
+@dataclass(frozen=True)
+class StepNorms:
+    """A sync shard's measure of one update: the mean over the workers it averaged of their own
+    squared gradient norms (each the whole gradient's, uncompressed, as the push carried it), the
+    squared norm of the averaged gradient's slice on this shard, and how many workers it averaged."""
+
+    local_sq: float
+    slice_sq: float
+    workers: int
+
+    def header(self) -> tuple[str, str]:
+        return STEP_NORMS_HEADER, f"{self.local_sq!r} {self.slice_sq!r} {self.workers}"
+
+    @classmethod
+    def of(cls, metadata: Any) -> StepNorms | None:
+        """From a pull's trailing metadata; None where the shard measured none."""
+        value = dict(metadata or ()).get(STEP_NORMS_HEADER)
+        if value is None:
+            return None
+        local_sq, slice_sq, workers = str(value).split()
+        return cls(float(local_sq), float(slice_sq), int(workers))
+
+
 def chunk_ranges(numel: int, element_size: int, chunk_bytes: int) -> Iterator[tuple[int, int]]:
     """(offset, length) in elements, each chunk at most ``chunk_bytes``."""
     step = max(1, chunk_bytes // element_size)

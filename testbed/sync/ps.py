@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,9 @@ from testbed.ps.modes import CHUNK_KB, MAX_CHUNK_KB, MODES, STALENESS
 from testbed.sync.base import GradReadiness, Synchronizer, SyncReport, flat_views, holding
 from testbed.sync.spec import Servers, SimModel, SyncBase, SyncSpec
 from testbed.world import World
+
+if TYPE_CHECKING:
+    from testbed.ps.wire import StepNorms
 
 
 @dataclass
@@ -91,6 +94,10 @@ class ParameterServerSync(Synchronizer):
         codecs = [build_codec(self.compress, g, [g.shape], i, world.rank, self.seed) for i, g in enumerate(self.grad_shards)]
         self.codecs: list[PayloadCodec] | None = codecs if any(c is not None for c in codecs) else None  # type: ignore[assignment]
         self._encoded: dict[int, float] = {}  # encode seconds per shard, this step
+        # stats.noise_scale (testbed.stats.noise_scale): this worker's own squared gradient norm for
+        # its next push, and what the shards measured of the update it last pulled.
+        self._local_sq: float | None = None
+        self._norms: list[StepNorms | None] = []
 
         self.client = PsClient(list(self.cfg.addresses), token_from_env(), world.rank, world.timeout_s,
                                self.cfg.chunk_kb * 1024, tls_of(self.cfg)[2])
@@ -162,7 +169,20 @@ class ParameterServerSync(Synchronizer):
         return payload
 
     def _push_shard(self, i: int) -> Any:
-        return self.client.push_shard(i, self._payload(i), self.versions[i])
+        return self.client.push_shard(i, self._payload(i), self.versions[i], self._local_sq)
+
+    # --- the gradient noise scale, measured by the shards (testbed.stats.noise_scale.ServerNorms) ----
+
+    def carry_local_sq(self, local_sq: float) -> None:
+        self._local_sq = local_sq
+
+    def step_norms(self) -> tuple[float, float, int] | None:
+        """Every shard averaged the same workers (one decision per step) and reports the same mean of
+        their own norms; the average's squared norm is the sum of its slices'."""
+        if not self._norms or any(n is None for n in self._norms):
+            return None
+        norms = [n for n in self._norms if n is not None]
+        return norms[0].local_sq, sum(n.slice_sq for n in norms), norms[0].workers
 
     # --- the step --------------------------------------------------------------------------------
 
@@ -190,13 +210,14 @@ class ParameterServerSync(Synchronizer):
         complete a step at slightly different moments; where they answer with different versions,
         the lagging ones are pulled again at the newest, so that the model is one that existed."""
         clock, pulls, blocked = self.versions[0] + 1, 0, 0.0
+        made = clock  # the version this worker's step made: the update whose norms it may report
         while True:
             pulled = self.client.pull(self.param_shards, clock)
             pulls, blocked = pulls + 1, blocked + pulled.blocked_s
             clock = max(pulled.versions)
             if min(pulled.versions) == clock:
                 break
-        self.versions = pulled.versions
+        self.versions, self._norms = pulled.versions, pulled.norms if clock == made else []
         self._params_up()
         return SyncReport(bytes_recv=pulls * self.bytes_per_step, t_wait=blocked, replicas_agree=False, dropped=dropped)
 
@@ -218,13 +239,14 @@ class ParameterServerSync(Synchronizer):
                     self._launch(i)
             replies = [self._launched[i].result() for i in range(len(self.grad_shards))]
         else:
-            replies = self.client.push([self._payload(i) for i in range(len(self.grad_shards))], self.versions)
+            replies = self.client.push([self._payload(i) for i in range(len(self.grad_shards))], self.versions,
+                                       self._local_sq)
         self.clock += 1
         if backup:  # the step after the pushed one, or later: where the others are
             report = self._catch_up(dropped=False)
         else:
             pulled = self.client.pull(self.param_shards, self.clock, decoders=self.decoders)
-            self.versions = pulled.versions
+            self.versions, self._norms = pulled.versions, pulled.norms
             self._params_up()
             report = SyncReport(
                 bytes_recv=self.bytes_per_step,
@@ -378,6 +400,17 @@ def _unbalanced(cfg: Any) -> str | None:
     return None
 
 
+def _unmeasured(cfg: Any) -> str | None:
+    """Why the shards cannot measure the gradient noise scale (they do from the pushes in sync mode)."""
+    if cfg.sync.mode != "sync":
+        return (f"sync.mode={cfg.sync.mode} applies each push on arrival, so no update averages the workers' gradients "
+                "of one step; measure it in sync mode (sync.mode=sync)")
+    if cfg.sync.overlap:
+        return ("sync.overlap pushes each shard during backward, before a worker has its own gradient's norm to send "
+                "with it; drop sync.overlap")
+    return None
+
+
 @contextmanager
 def _start_servers(
     plain: dict[str, Any], world_size: int, log_dir: Path, hosts: list[tuple[str, str]] | None,
@@ -402,8 +435,7 @@ def _cost(cfg: Any) -> Callable[[float], Cost]:
 SPEC = SyncSpec(
     name="ps", schema=PsSyncConfig, impl=ParameterServerSync, check=_check, label=label,
     unbalanced=_unbalanced,
-    averaged_gradient=lambda cfg: "the shards average the gradients and update the parameters, so no worker holds the "
-                                  "average (estimating from the pushes at the shards is not built); use sync=allreduce",
+    averaged_gradient=_unmeasured,
     sim=SimModel(series=lambda cfg: f"ps_k{int(cfg.sync.servers)}", cost=_cost, schedule="clocks"),
     servers=Servers(
         count=lambda cfg: 0 if cfg.sync.addresses else int(cfg.sync.servers),
