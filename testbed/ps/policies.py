@@ -200,8 +200,8 @@ class Sync(Policy):
                             shard.staged = [[] for _ in range(shard.workers)]  # the received messages can go
                             shard.apply_seconds += time.perf_counter() - start
                             if measure:
-                                self._measured(step + 1, StepNorms(sum(sq or 0.0 for sq in local_sq) / len(chosen), slice_sq,
-                                                                     len(chosen)))
+                                mean_sq = sum(sq or 0.0 for sq in local_sq) / len(chosen)
+                                self._measured(step + 1, StepNorms(mean_sq, slice_sq, len(chosen)))
                             save_if_agreed(shard)
                         shard.cond.notify_all()
             except Exception as exc:  # every later push and pull is refused with it
@@ -211,7 +211,6 @@ class Sync(Policy):
                     shard.applied = len(shard.parts)
                     shard.cond.notify_all()
                 return
-
 
     def _measured(self, version: int, norms: StepNorms) -> None:
         """(Under the lock) keep the norms of the update that made ``version`` for its pulls' trailers;
