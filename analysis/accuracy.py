@@ -40,14 +40,19 @@ def eval_curves(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+# The override prefixes that tell the contestants of one race apart.
+RACERS = ("sync=", "sync.", "compress=", "compress.", "balance=", "balance.")
+
+
 def target_table(runs: pd.DataFrame) -> pd.DataFrame:
     """Per configuration and n over its repeats: runs, reached, time to target (median, interval,
     MLPerf's score), steps and epochs to it (medians), the final held-out accuracy, and the verdict."""
     ok = runs[(runs["status"] == "ok") & runs["target_metric"].notna()].copy()
     if ok.empty:
         return pd.DataFrame()
-    # The race: runs that differ only in synchronizer and codec (and seed, n) chase the same target.
-    ok["race"] = [run_key(o.split(",") if o else [], ignore=("sync=", "compress=")) for o in ok["overrides"].fillna("")]
+    # The race: runs that differ only in how they synchronize (synchronizer, its options, codec,
+    # balanced batches; and seed, n) train the same model on the same data to the same target.
+    ok["race"] = [run_key(o.split(",") if o else [], ignore=RACERS) for o in ok["overrides"].fillna("")]
     rows = []
     for (key, option, setting, n), group in ok.groupby(["config_key", "option", "setting", "world_size"], dropna=False):
         times = [t if r else math.nan for t, r in zip(group["tta_s"], group["tta_reached"])]

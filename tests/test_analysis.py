@@ -170,3 +170,29 @@ def test_two_level_runs_get_their_uplinks_per_step_and_the_ring_as_reference(tmp
     figures, section = topology.analyse(summaries, tmp_path)
     assert section.startswith("## Two levels") and "byteps k=1" in section
     assert (tmp_path / "topology.png").stat().st_size > 1000 and tmp_path / "topology.png" in figures
+
+
+def test_a_race_is_every_way_of_synchronizing_one_setting() -> None:
+    """Synchronizers, their options and balanced batches race each other; a changed workload is
+    another race, with its own best."""
+    import pandas as pd
+
+    from analysis.accuracy import target_table
+
+    contestants = {"sync=ps,sync.backup_workers=0": 4.0, "sync=ps,sync.backup_workers=1": 3.0,
+                   "sync=ps,balance=dynamic": 3.5, "sync=ps_async": 3.2}
+    rows = []
+    for workload in ("imbalance.slowdown=1.0", "imbalance.slowdown=0.0"):
+        for how, seconds in contestants.items():
+            for seed in range(3):
+                overrides = f"{how},{workload},seed={seed}"
+                rows.append({"status": "ok", "target_metric": "accuracy", "target_value": 0.85,
+                             "overrides": overrides, "config_key": f"{how},{workload}", "option": how.split(",")[0],
+                             "setting": workload, "world_size": 3, "tta_s": seconds + 0.01 * seed, "tta_reached": True,
+                             "tta_steps": 100, "tta_epochs": 1.0, "tta_eval_share": 0.0, "eval_accuracy": 0.86})
+    table = target_table(pd.DataFrame(rows))
+    assert table["race"].nunique() == 2
+    for _, race in table.groupby("race"):
+        verdicts = dict(zip(race["config_key"].str.split(",imbalance").str[0], race["verdict"]))
+        assert verdicts == {"sync=ps,sync.backup_workers=1": "best", "sync=ps_async": "",
+                            "sync=ps,balance=dynamic": "", "sync=ps,sync.backup_workers=0": ""}
