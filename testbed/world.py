@@ -7,12 +7,16 @@ Built once per rank from the environment that torch's elastic launcher, torchrun
 from __future__ import annotations
 
 import os
+import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+# Set by the local launcher (testbed.launch.spawn): rank 0 serves the ranks' store on loopback only.
+LOOPBACK_STORE_ENV = "TESTBED_LOOPBACK_STORE"
 
 
 @dataclass(frozen=True)
@@ -71,8 +75,7 @@ def init_world(device_kind: str, backend: str, timeout_s: float, debug: bool = F
     else:
         device = torch.device("cpu")
     timeout = timedelta(seconds=timeout_s)
-    # The store made as init_process_group makes it for env://, kept: the stall check posts to it.
-    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    store = _store(rank, world_size, timeout)  # kept: the stall check posts to it
     store.set_timeout(timeout)
     store = dist.PrefixStore("default_pg", store)
     dist.init_process_group(
@@ -86,6 +89,22 @@ def init_world(device_kind: str, backend: str, timeout_s: float, debug: bool = F
     world = World(rank, local_rank, world_size, local_world, device, backend, timeout_s, store=store)
     offset = _clock_offset(world)
     return World(rank, local_rank, world_size, local_world, device, backend, timeout_s, offset, store)
+
+
+def _store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """The ranks' key-value store at ``MASTER_PORT``: as init_process_group makes it for env://
+    (served by rank 0 on every interface, where the ranks of a multi-machine job reach it), or, in a
+    local job (``LOOPBACK_STORE_ENV``), served by rank 0 on loopback only, since a store has no
+    authentication."""
+    if os.environ.get(LOOPBACK_STORE_ENV) != "1":
+        store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+        return store
+    port = int(os.environ["MASTER_PORT"])
+    if rank == 0:
+        listening = socket.create_server(("127.0.0.1", port), backlog=max(world_size, 128))
+        return dist.TCPStore("127.0.0.1", port, world_size, is_master=True, timeout=timeout,
+                             master_listen_fd=listening.detach())  # the store owns the socket now
+    return dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
 
 
 def _clock_offset(world: World) -> float:

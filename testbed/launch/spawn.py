@@ -1,9 +1,13 @@
 """Spawn a world of local ranks through torch's elastic launcher (the engine behind torchrun).
 
-Standalone c10d rendezvous on ``localhost:0``: the rendezvous store binds a fresh port per call, so
-consecutive or concurrent jobs can never join each other's world. ``max_restarts=0``: a failed rank
-fails the run, and the agent stops the remaining ranks. Ranks are forked from a server that
-imported torch once (testbed.launch.rank_server).
+Nothing of a local world listens beyond loopback: torch's stores have no authentication, so a
+store on every interface would let anyone who reaches the machine join or disturb the run. The
+agents' rendezvous is a c10d one over a file store in the launch's own directory (no port, and a
+fresh file per call, so consecutive or concurrent jobs can never join each other's world); the
+ranks' store is rank 0's, bound to loopback (testbed.world), and Gloo and NCCL use the loopback
+interface unless told otherwise. ``max_restarts=0``: a failed rank fails the run, and the agent
+stops the remaining ranks. Ranks are forked from a server that imported torch once
+(testbed.launch.rank_server).
 """
 
 from __future__ import annotations
@@ -23,6 +27,15 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from testbed.launch import rank_server
+from testbed.world import LOOPBACK_STORE_ENV
+
+
+def loopback_env() -> dict[str, str]:
+    """The agent does not share its rendezvous store with the ranks (it would serve it to them on
+    every interface); rank 0 serves theirs on loopback; the collectives' sockets stay on loopback
+    unless the environment names an interface."""
+    return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", LOOPBACK_STORE_ENV: "1",
+            **{key: os.environ.get(key, "lo") for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}}
 
 
 @dataclass
@@ -67,8 +80,8 @@ def spawn_world(
         nproc_per_node=nproc,
         run_id=f"testbed-{uuid.uuid4().hex[:12]}",
         rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        rdzv_configs={"timeout": int(rendezvous_timeout_s), "join_timeout": int(rendezvous_timeout_s)},
+        rdzv_endpoint=str(log_dir / "tmp" / "rendezvous"),
+        rdzv_configs={"store_type": "file", "timeout": int(rendezvous_timeout_s), "join_timeout": int(rendezvous_timeout_s)},
         max_restarts=0,
         monitor_interval=monitor_interval_s,
         start_method="spawn" if fresh_interpreters else "forkserver",
@@ -77,7 +90,7 @@ def spawn_world(
         ),
     )
     try:
-        with _launch_environment(log_dir, env or {}) as environ:
+        with _launch_environment(log_dir, {**loopback_env(), **(env or {})}) as environ:
             return elastic_launch(config, _in_environment)(entry, environ, *args)
     except ChildFailedError as exc:
         # The agent reports the first failed rank it finds; when that one only lost a peer, the

@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from testbed.latency import set_latency_ms
+from testbed.world import LOOPBACK_STORE_ENV
 
 NETNS_ENV = "TESTBED_NETNS"
 STORE_PORT = 29500  # each run has its own network stack, so a fixed port cannot collide
@@ -47,8 +48,10 @@ def enter_rank_namespace() -> None:
     os.environ.update(
         MASTER_ADDR=plan["ranks"][0]["address"], MASTER_PORT=str(STORE_PORT), GLOO_SOCKET_IFNAME=plan["interface"]
     )
-    # Otherwise torch's env:// rendezvous connects to the launcher's store on the root namespace's loopback.
+    # The store is rank 0's on its emulated address, which the other namespaces reach (a private
+    # network), not on loopback, nor the launcher's in the root namespace.
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    os.environ.pop(LOOPBACK_STORE_ENV, None)
     machines = plan.get("machines")
     if machines is not None:  # two levels: this machine's ranks are the local ones
         mine = [r for r, m in enumerate(machines) if m == machines[rank]]
