@@ -80,6 +80,12 @@ def test_ddp_hooks_are_costed_as_the_codecs_they_stand_for() -> None:
     assert hook["sync_facts"]["compress"]["ratio"] == 2.0 and hook["step_time"] < plain["step_time"]
 
 
+def test_a_synchronizer_that_never_communicates_is_simulated_with_no_codec() -> None:
+    alone = simulate(cfg_of(["sync=none", "world_size=2"]))
+    assert alone["step_time"] == pytest.approx(COMPUTE) and alone["phases"]["t_sync"]["median"] == 0.0
+    assert "compress" not in alone["sync_facts"]
+
+
 def test_codec_times_run_through_the_benchmarks_medians() -> None:
     fit = CodecFit("topk 1% +ef", [2**20, 2**22], [1e-3, 5e-3], [1e-4, 3e-4])
     assert fit.encode_time(2**21) == pytest.approx(7 / 3 * 1e-3)  # between the points

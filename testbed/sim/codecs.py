@@ -80,10 +80,13 @@ def lookup_codec(fits: list[CodecFit], codec_label: str) -> CodecFit | None:
 
 
 def codec_config(cfg: Any) -> Any | None:
-    """The codec a run applies: ``compress``, or the synchronizer's own (DDP's hook)."""
-    own = spec_of(cfg.sync.name).sim.codec
-    if own is not None:
-        return own(cfg)
+    """The codec a run applies: ``compress``, or the synchronizer's own (DDP's hook); none for a
+    synchronizer that never communicates."""
+    model = spec_of(cfg.sync.name).sim
+    if model is None:
+        return None
+    if model.codec is not None:
+        return model.codec(cfg)
     compress = cfg.get("compress")
     return None if compress is None or compress.name == "none" else compress
 
