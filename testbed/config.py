@@ -228,7 +228,7 @@ def _validate_compress(cfg: DictConfig) -> None:
 
 
 def _validate_across(cfg: DictConfig) -> None:
-    """The fault and network checks that depend on the synchronizer or on each other."""
+    """The fault and network checks that depend on the synchronizer."""
     spec, fault = SYNCHRONIZERS[cfg.sync.name], cfg.fault
     if cfg.network.name == "emulated":
         from testbed.netem.links import MAX_ENDPOINTS  # the namespace code, only for an emulated network
@@ -240,8 +240,6 @@ def _validate_across(cfg: DictConfig) -> None:
         servers = spec.local_servers(cfg)
         require(servers > 0, "fault=kill_ps kills a parameter server the launcher started: use sync=ps (without sync.addresses)")
         require(0 <= fault.shard < servers, f"fault.shard={fault.shard}: must be in [0, sync.servers={servers})")
-    if fault.name == "link_down":
-        require(cfg.network.name == "emulated", "fault=link_down takes an emulated link down: use network=emulated")
 
 
 def to_plain(cfg: DictConfig) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Injected failures (the ``fault`` group): one fault, at the start of one step, on one rank.
+"""Injected failures (the ``fault`` group): one fault, at the start of one step, on one rank;
+and one change of conditions that is not a failure (``link_slow``).
 
 A fault tests the testbed as much as the training: the run must end ``failed`` within the
 configured timeout, name what failed and where, keep the steps done so far, and leave no process,
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from testbed.checks import Option, options, require
+from testbed.checks import ConfigError, Option, options, require
 from testbed.rank_failure import RunFailure
 from testbed.results.step_log import flush_open_logs
 from testbed.schema import typed
@@ -57,6 +58,14 @@ class LinkDownConfig:
 
 
 @dataclass
+class LinkSlowConfig:
+    name: str = "link_slow"
+    rank: int = 1
+    step: int | None = None
+    bandwidth: str = "10mbit"  # the rank's emulated link, both ways, from the start of the step on
+
+
+@dataclass
 class NanLossConfig:
     name: str = "nan_loss"  # not "nan": the override parser reads fault=nan as a float
     rank: int = 0
@@ -78,7 +87,21 @@ def _check_rank(cfg: Any) -> None:
 
 def _check_link_down(cfg: Any) -> None:
     _check_rank(cfg)
+    require(cfg.network.name == "emulated", "fault=link_down takes an emulated link down: use network=emulated")
     require(cfg.fault.duration_s > 0, f"fault.duration_s={cfg.fault.duration_s}: must be > 0")
+
+
+def _check_link_slow(cfg: Any) -> None:
+    from testbed.netem.links import parse_rate
+
+    _check_rank(cfg)
+    require(cfg.network.name == "emulated", "fault=link_slow re-shapes a rank's emulated link: use network=emulated")
+    require(cfg.network.nodes == 0, "fault=link_slow re-shapes a rank's own link, which two levels "
+                                    f"(network.nodes={cfg.network.nodes}) leave unshaped: use network.nodes=0")
+    try:
+        parse_rate(cfg.fault.bandwidth)
+    except ValueError as exc:
+        raise ConfigError(f"fault.bandwidth={cfg.fault.bandwidth}: {exc}") from None
 
 
 class NonFiniteLoss(RunFailure, FloatingPointError):
@@ -110,6 +133,17 @@ def _link_up() -> None:
     subprocess.run(["ip", "link", "set", "eth0", "up"], check=False)
 
 
+def _link_slow(cfg: Any) -> None:
+    # Both ends of the rank's link: its own eth0 (what it sends; this process is in its namespace)
+    # and the bridge port facing it (what it receives).
+    from testbed.netem.links import INTERFACE, shape
+    from testbed.netem.rank import rank_plan
+
+    me = rank_plan()["ranks"][int(os.environ["RANK"])]
+    subprocess.run(["tc", "qdisc", "change", "dev", INTERFACE, *shape(cfg.bandwidth)], check=True)
+    subprocess.run(["tc", "-n", me["bridge"], "qdisc", "change", "dev", me["port"], *shape(cfg.bandwidth)], check=True)
+
+
 @dataclass(frozen=True)
 class Fault(Option):
     """A fault kind: ``by(cfg)``, the rank that injects it (None: none does); ``strike(cfg)``, what
@@ -123,8 +157,7 @@ class Fault(Option):
 
 # One failure, injected at the start of a step (`step`, or drawn from the seed in [1, steps) when
 # null), to check that the run fails cleanly: recorded, named, nothing left behind. Which shards
-# kill_ps may name, and link_down's emulated network, are checked with the other groups
-# (testbed.config).
+# kill_ps may name depends on the synchronizer, and is checked with the other groups (testbed.config).
 FAULTS = options(
     Fault("none", NoFaultConfig),
     Fault("kill_rank", KillRankConfig, _check_rank, by=lambda cfg: cfg.rank, strike=_kill_self),
@@ -132,6 +165,8 @@ FAULTS = options(
     Fault("kill_ps", KillPsConfig, _check_step, by=lambda cfg: 0, strike=_kill_server),
     Fault("link_down", LinkDownConfig, _check_link_down, by=lambda cfg: cfg.rank, strike=_link_down),
     Fault("nan_loss", NanLossConfig, _check_rank, by=lambda cfg: cfg.rank, poisons_loss=True),
+    # Not a failure: the network changes under the run, which goes on at the new rate.
+    Fault("link_slow", LinkSlowConfig, _check_link_slow, by=lambda cfg: cfg.rank, strike=_link_slow),
 )
 
 

@@ -45,6 +45,7 @@ def test_every_option_composes_and_validates(group: str, option: str, tmp_path: 
                          "+model.kwargs.out_features=10"],
         "fault=kill_rank": ["world_size=2"], "fault=kill_ps": ["sync=ps"],
         "fault=link_down": ["world_size=2", "network=emulated"],
+        "fault=link_slow": ["world_size=2", "network=emulated"],
     }.get(f"{group}={option}", [])
     cfg = composed([f"{group}={option}", *extra])
     # A variant (ps_async) is its schema's option (ps) with other defaults, named <option>_<what>.

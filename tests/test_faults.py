@@ -13,7 +13,9 @@ import pytest
 from conftest import assert_nothing_left, read_json, read_jsonl, run_cli
 from omegaconf import OmegaConf
 
+from testbed.checks import ConfigError
 from testbed.faults import fault_step
+from testbed.preflight import check_command_line
 
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
@@ -124,3 +126,18 @@ def test_debug_turns_on_torch_distributed_diagnostics(tmp_path: Path) -> None:
 def test_bad_fault_configs_fail_before_anything_starts(tmp_path: Path, overrides: list[str], message: str) -> None:
     proc = run_cli(overrides, cwd=tmp_path)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["world_size=2"], "fault=link_slow re-shapes a rank's emulated link: use network=emulated"),
+        (["world_size=2", "network=emulated", "fault.bandwidth=fast"], "fault.bandwidth=fast: 'fast': expected <number>"),
+        (["world_size=4", "network=emulated", "network.nodes=2"],
+         "two levels (network.nodes=2) leave unshaped: use network.nodes=0"),
+    ],
+)
+def test_a_link_slowed_where_it_cannot_be_is_refused_in_the_preflight(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        check_command_line(["fault=link_slow", *overrides])
+    assert message in str(info.value)

@@ -1,5 +1,6 @@
-"""Emulated networks: links run at the configured rate, the parameter server is bound by its own
-link, results do not depend on the network, and no namespace outlives its run, however it ends."""
+"""Emulated networks: links run at the configured rate, also when it changes mid-run, the parameter
+server is bound by its own link, results do not depend on the network, and no namespace outlives
+its run, however it ends."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import assert_nothing_left, cli_env, load_params, read_json, run_cli
+from conftest import assert_nothing_left, cli_env, load_params, read_json, read_jsonl, run_cli
 
 from testbed.netem import parse_rate
 
@@ -159,6 +160,25 @@ def test_results_do_not_depend_on_the_network(tmp_path: Path) -> None:
     assert bound["bound_s"] == pytest.approx(2e-3 + summary["gradient_bytes"] * 8 / 200e6)
     assert 0.2 < bound["fraction"] <= 1.05, bound
     assert read_json(tmp_path / "ring-loopback" / "summary.json")["sync_bound"] is None
+
+
+def test_a_link_slowed_mid_run_slows_each_step_after_it_to_the_new_rate(tmp_path: Path) -> None:
+    """fault=link_slow: from its step on, rank 1's link runs at 20 Mbit both ways and the run goes on.
+    A ring step at n = 2 sends, and receives, the whole gradient over each rank's link: at the new
+    rate it cannot take less than that; before, at 1 Gbit, it took a small part of that."""
+    job = tmp_path / "job"
+    proc = run_cli(["sync=ring", "world_size=2", "network=emulated", "network.bandwidth=1gbit", "fault=link_slow",
+                    "fault.rank=1", "fault.step=5", "fault.bandwidth=20mbit", "steps=9", "warmup_steps=1",
+                    f"hydra.run.dir={job}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_json(job / "summary.json")
+    assert summary["status"] == "ok" and summary["replicas_identical"]
+    slow = summary["gradient_bytes"] * 8 / parse_rate("20mbit")
+    for rank in (0, 1):  # the ring couples them: both wait for the slowed link
+        syncs = [r["t_sync"] for r in read_jsonl(job / "metrics" / f"rank{rank}.jsonl")]
+        assert max(syncs[1:5]) < 0.2 * slow, syncs
+        assert min(syncs[5:]) >= 0.9 * slow, syncs
+    assert_nothing_left(job)
 
 
 def test_a_failed_run_removes_its_network(tmp_path: Path) -> None:

@@ -62,6 +62,13 @@ def machines_of(world_size: int, servers: int, nodes: int, placement: str,
     return machines
 
 
+def shape(rate: str) -> list[str]:
+    """tc's arguments for a port shaped at ``rate``: a token bucket, which needs a bucket of at least
+    one timer tick of traffic (2 ms of line rate, >= 64 KiB)."""
+    burst = str(max(64 * 1024, int(parse_rate(rate) / 8 / 500)))
+    return ["root", "tbf", "rate", rate, "burst", burst, "latency", QUEUE]
+
+
 class NetworkUnavailable(RuntimeError):
     """The machine cannot build emulated links (not root, or iproute2 missing)."""
 
@@ -164,12 +171,6 @@ class EmulatedNetwork:
         self._created.append(name)
         _run("ip", "-n", name, "link", "set", "lo", "up")
 
-    @staticmethod
-    def _shape(rate: str) -> list[str]:
-        # tbf needs a bucket of at least one timer tick of traffic; 2 ms of line rate, >= 64 KiB.
-        burst = str(max(64 * 1024, int(parse_rate(rate) / 8 / 500)))
-        return ["root", "tbf", "rate", rate, "burst", burst, "latency", QUEUE]
-
     def _link(self, inner: str, outer: str, name: str, peer: str, rate: str | None, bridged: bool = False) -> None:
         """A veth pair: ``name`` in namespace ``inner`` (a port of its br0 too where ``bridged``),
         ``peer`` a port of ``outer``'s br0, shaped at ``rate`` both ways (None: unshaped)."""
@@ -177,8 +178,8 @@ class EmulatedNetwork:
         _run("ip", "-n", outer, "link", "set", peer, "master", "br0", "up")
         _run("ip", "-n", inner, "link", "set", name, *(["master", "br0"] if bridged else []), "up")
         if rate is not None:
-            _run("tc", "-n", inner, "qdisc", "add", "dev", name, *self._shape(rate))
-            _run("tc", "-n", outer, "qdisc", "add", "dev", peer, *self._shape(rate))
+            _run("tc", "-n", inner, "qdisc", "add", "dev", name, *shape(rate))
+            _run("tc", "-n", outer, "qdisc", "add", "dev", peer, *shape(rate))
 
     def _add_bridge(self, namespace: str) -> None:
         self._add_namespace(namespace)
@@ -227,9 +228,13 @@ class EmulatedNetwork:
 
     def rank_env(self, world_size: int) -> dict[str, str]:
         """Environment that tells spawned ranks where they live (read by ``enter_rank_namespace``)."""
-        ranks = [self.endpoints[f"r{r}"] for r in range(world_size)]
+        ports = {key: f"p{i}" for i, key in enumerate(self.endpoints)}  # as _build names them
         plan: dict[str, Any] = {
-            "ranks": [{"namespace": ep.namespace, "address": ep.address} for ep in ranks],
+            # Each rank's namespace and address, and its link's far end: the bridge port that shapes
+            # what the rank downloads (fault=link_slow re-shapes both ends).
+            "ranks": [{"namespace": self.endpoints[f"r{r}"].namespace, "address": self.endpoints[f"r{r}"].address,
+                       "port": ports[f"r{r}"], "bridge": self.switch if self.machines is None
+                       else self.machine_namespace(self.machines[f"r{r}"])} for r in range(world_size)],
             "interface": INTERFACE,
             "latency_ms": self.latency_ms,
         }
