@@ -101,10 +101,18 @@ def _store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
         return store
     port = int(os.environ["MASTER_PORT"])
     if rank == 0:
-        listening = socket.create_server(("127.0.0.1", port), backlog=max(world_size, 128))
-        return dist.TCPStore("127.0.0.1", port, world_size, is_master=True, timeout=timeout,
-                             master_listen_fd=listening.detach())  # the store owns the socket now
+        return loopback_store(port, world_size, timeout)
     return dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+
+
+def loopback_store(port: int, world_size: int | None, timeout: timedelta) -> dist.TCPStore:
+    """A TCPStore served on ``127.0.0.1:port`` (0: a free port, its ``.port``), waiting for
+    ``world_size`` clients (None: for none). torch binds its own stores to every interface; given
+    a socket bound by the caller, it serves on that one."""
+    listening = socket.create_server(("127.0.0.1", port), backlog=128)
+    return dist.TCPStore("127.0.0.1", listening.getsockname()[1], world_size, is_master=True, timeout=timeout,
+                         wait_for_workers=world_size is not None, multi_tenant=True,
+                         master_listen_fd=listening.detach())  # the store owns the socket now
 
 
 def _clock_offset(world: World) -> float:

@@ -2,9 +2,9 @@
 
 Nothing of a local world listens beyond loopback: torch's stores have no authentication, so a
 store on every interface would let anyone who reaches the machine join or disturb the run. The
-agents' rendezvous is a c10d one over a file store in the launch's own directory (no port, and a
-fresh file per call, so consecutive or concurrent jobs can never join each other's world); the
-ranks' store is rank 0's, bound to loopback (testbed.world), and Gloo and NCCL use the loopback
+agent's rendezvous is torch's c10d one (torchrun's ``--rdzv_backend=c10d``) over a store on a fresh
+loopback port per call, so consecutive or concurrent jobs can never join each other's world; the
+ranks' store is rank 0's, on loopback too (testbed.world), and Gloo and NCCL use the loopback
 interface unless told otherwise. ``max_restarts=0``: a failed rank fails the run, and the agent
 stops the remaining ranks. Ranks are forked from a server that imported torch once
 (testbed.launch.rank_server).
@@ -19,15 +19,39 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters, rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from testbed.launch import rank_server
-from testbed.world import LOOPBACK_STORE_ENV
+from testbed.world import LOOPBACK_STORE_ENV, loopback_store
+
+LOOPBACK_RENDEZVOUS = "testbed-loopback"
+
+
+class _LoopbackBackend(C10dRendezvousBackend):
+    """torch's c10d rendezvous state, kept in a store the caller made, under this backend's name."""
+
+    @property
+    def name(self) -> str:
+        return LOOPBACK_RENDEZVOUS
+
+
+def _loopback_rendezvous(params: RendezvousParameters) -> RendezvousHandler:
+    """torch's c10d rendezvous handler (what ``rdzv_backend="c10d"`` creates) over a store that
+    listens on a fresh loopback port instead of every interface."""
+    store = loopback_store(0, None, timedelta(seconds=params.get_as_int("read_timeout", 60) or 60))
+    return create_handler(store, _LoopbackBackend(store, params.run_id), params)
+
+
+rendezvous_handler_registry.register(LOOPBACK_RENDEZVOUS, _loopback_rendezvous)
 
 
 def loopback_env() -> dict[str, str]:
@@ -79,9 +103,9 @@ def spawn_world(
         max_nodes=1,
         nproc_per_node=nproc,
         run_id=f"testbed-{uuid.uuid4().hex[:12]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint=str(log_dir / "tmp" / "rendezvous"),
-        rdzv_configs={"store_type": "file", "timeout": int(rendezvous_timeout_s), "join_timeout": int(rendezvous_timeout_s)},
+        rdzv_backend=LOOPBACK_RENDEZVOUS,
+        rdzv_endpoint="127.0.0.1:0",  # for the record: _loopback_rendezvous binds a fresh loopback port
+        rdzv_configs={"timeout": int(rendezvous_timeout_s), "join_timeout": int(rendezvous_timeout_s)},
         max_restarts=0,
         monitor_interval=monitor_interval_s,
         start_method="spawn" if fresh_interpreters else "forkserver",
