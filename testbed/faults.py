@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from testbed.checks import ConfigError, Option, options, require
+from testbed.checks import Option, options, require
+from testbed.network import check_rate
 from testbed.rank_failure import RunFailure
 from testbed.results.step_log import flush_open_logs
 from testbed.schema import typed
@@ -92,16 +93,11 @@ def _check_link_down(cfg: Any) -> None:
 
 
 def _check_link_slow(cfg: Any) -> None:
-    from testbed.netem.links import parse_rate
-
     _check_rank(cfg)
     require(cfg.network.name == "emulated", "fault=link_slow re-shapes a rank's emulated link: use network=emulated")
     require(cfg.network.nodes == 0, "fault=link_slow re-shapes a rank's own link, which two levels "
                                     f"(network.nodes={cfg.network.nodes}) leave unshaped: use network.nodes=0")
-    try:
-        parse_rate(cfg.fault.bandwidth)
-    except ValueError as exc:
-        raise ConfigError(f"fault.bandwidth={cfg.fault.bandwidth}: {exc}") from None
+    check_rate("fault.bandwidth", cfg.fault.bandwidth)
 
 
 class NonFiniteLoss(RunFailure, FloatingPointError):
@@ -135,7 +131,7 @@ def _link_up() -> None:
 
 def _link_slow(cfg: Any) -> None:
     # Both ends of the rank's link: its own eth0 (what it sends; this process is in its namespace)
-    # and the bridge port facing it (what it receives).
+    # and the bridge port facing it (what it receives). The namespace code only where it runs.
     from testbed.netem.links import INTERFACE, shape
     from testbed.netem.rank import rank_plan
 

@@ -32,7 +32,8 @@ class EmulatedNetworkConfig:
     servers: str = "separate"  # parameter-server shards on machines of their own, or `colocated` on the nodes
 
 
-def _check_rate(field: str, rate: str) -> None:
+def check_rate(field: str, rate: str) -> None:
+    """Refuse a link rate that tc would not read as written, naming ``field``."""
     from testbed.netem.links import parse_rate
 
     try:
@@ -45,13 +46,13 @@ def _check_emulated(cfg: Any) -> None:
     from testbed.netem.links import PLACEMENTS, NetworkUnavailable, check_available
 
     net = cfg.network
-    _check_rate("network.bandwidth", net.bandwidth)
+    check_rate("network.bandwidth", net.bandwidth)
     require(net.latency_ms >= 0, f"network.latency_ms={net.latency_ms}: must be >= 0")
     nodes, n = int(net.nodes), int(cfg.world_size)
     require(nodes >= 0 and (nodes == 0 or n % nodes == 0),
             f"network.nodes={nodes}: the ranks spread evenly over the machines: a divisor of world_size={n} (0: flat)")
     if net.intra_bandwidth is not None:
-        _check_rate("network.intra_bandwidth", net.intra_bandwidth)
+        check_rate("network.intra_bandwidth", net.intra_bandwidth)
     require(net.servers in PLACEMENTS,
             f"network.servers={net.servers}: one of {'|'.join(PLACEMENTS)} (shards on machines of their own, or on the nodes)")
     require(resolved_backend(cfg) == "gloo", "network=emulated shapes TCP links between hosts: use backend=gloo (device=cpu)")

@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,13 @@ def read_json(path: Path) -> Any:
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def wait_for_steps(job: Path, rank: int = 1, steps: int = 3, timeout_s: float = 120) -> None:
+    """Until ``rank`` of the running job at ``job`` has logged ``steps`` steps (or the timeout)."""
+    metrics, deadline = job / "metrics" / f"rank{rank}.jsonl", time.time() + timeout_s
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
+        time.sleep(0.2)
 
 
 def step_record(**fields: Any) -> StepRecord:

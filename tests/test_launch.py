@@ -10,10 +10,9 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from conftest import cli_env, read_json, read_jsonl
+from conftest import cli_env, read_json, read_jsonl, wait_for_steps
 
 
 def torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -51,10 +50,7 @@ def test_killed_rank_fails_the_run_by_rank_and_keeps_metrics(tmp_path: Path) -> 
         cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
-        deadline = time.time() + 120
-        metrics = out / "metrics" / "rank1.jsonl"
-        while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-            time.sleep(0.2)
+        wait_for_steps(out)
         logs = list((out / "logs").glob("*/attempt_0/1/stdout.log"))
         pid = int(re.search(r"rank 1/2 pid (\d+)", logs[0].read_text()).group(1))
         os.kill(pid, signal.SIGKILL)
@@ -116,10 +112,7 @@ def test_nothing_of_a_local_job_listens_beyond_loopback(tmp_path: Path) -> None:
         cwd=tmp_path, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
     try:
-        metrics = out / "metrics" / "rank1.jsonl"
-        deadline = time.time() + 120
-        while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-            time.sleep(0.2)
+        wait_for_steps(out)
         sockets = _listening(_descendants(proc.pid))
     finally:
         os.killpg(proc.pid, signal.SIGKILL)

@@ -7,11 +7,10 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from conftest import cli_env, load_params, rank_pids, read_json, read_jsonl, run_cli
+from conftest import cli_env, load_params, rank_pids, read_json, read_jsonl, run_cli, wait_for_steps
 from test_equivalence import COMMON, TOL, relative_error
 
 
@@ -109,10 +108,7 @@ def test_servers_and_ranks_are_gone_after_a_failed_run(tmp_path: Path) -> None:
         cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
-        metrics = out / "metrics" / "rank1.jsonl"
-        deadline = time.time() + 120
-        while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-            time.sleep(0.2)
+        wait_for_steps(out)
         victim = next(p for log in (out / "logs").glob("*/attempt_0/1/stdout.log")
                       for p in map(int, re.findall(r"rank 1/2 pid (\d+)", log.read_text())))
         os.kill(victim, signal.SIGKILL)
