@@ -21,6 +21,7 @@ from testbed.compress import CODECS
 from testbed.data import spec_for
 from testbed.data.kinds import DATA_KINDS, check_data, data_kind, heldout_of
 from testbed.data.schema import DataConfig
+from testbed.elastic.config import ElasticConfig, check_elastic
 from testbed.eval.config import EvalConfig, TargetConfig, check_eval
 from testbed.eval.metrics import metrics_of
 from testbed.eval.schedule import check_schedule
@@ -108,6 +109,7 @@ class Config:
     sim: SimConfig = field(default_factory=SimConfig)
     tune: TuneConfig = field(default_factory=TuneConfig)
     stats: StatsConfig = field(default_factory=StatsConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
 
 # Groups whose options declare their schema and checks in their own modules (testbed.checks.Option).
@@ -195,6 +197,7 @@ def validate(cfg: DictConfig, local_world_size: int | None = None, simulated: bo
     require(isinstance(restarts, int) and restarts >= 0,
             f"launcher.max_restarts={restarts}: must be an integer >= 0 (0: a failed run stays failed)")
     check_checkpoints(cfg, to_plain(cfg))
+    check_elastic(cfg)
 
     check_devices(cfg, local)
 

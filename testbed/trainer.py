@@ -18,6 +18,7 @@ import torch
 from testbed.balance import Balancer
 from testbed.buffers import BufferSync
 from testbed.data import BatchSource
+from testbed.elastic.membership import Membership
 from testbed.eval.evaluate import Evaluator
 from testbed.eval.schedule import LrSchedule
 from testbed.faults import FaultInjector, NonFiniteLoss
@@ -60,6 +61,8 @@ class Trainer:
         evaluator: Evaluator | None = None,
         noise: GradientNoise | None = None,
         balancer: Balancer | None = None,
+        membership: Membership | None = None,
+        on_regroup: Callable[[World], float] | None = None,
     ) -> None:
         # The model is the synchronizer's (sync.module): a wrapper such as DDP may stand in front of it.
         self.optimizer, self.sync, self.batches = optimizer, sync, batches
@@ -81,6 +84,10 @@ class Trainer:
         self.evaluator = evaluator  # held-out evaluation every eval.every steps, and the target (testbed.eval)
         self.noise = noise  # the gradient noise scale's estimate (testbed.stats.noise_scale)
         self.balancer = balancer  # re-decides the ranks' batches from their speeds (testbed.balance)
+        # elastic.enabled: the run's membership (testbed.elastic), and what rebuilds the rank's parts
+        # for a new one (returns the new loss weight)
+        self.membership, self.on_regroup = membership, on_regroup
+        self.worker = world.rank  # this rank's name in the records, whatever its rank in later memberships
         self.began = time.perf_counter()  # the run's clock (MLPerf's: it never stops, evaluation included)
 
     def run(self) -> list[StepRecord]:
@@ -93,82 +100,103 @@ class Trainer:
         scale = self.loss_weight / k
         self.began = began = time.perf_counter()
         sync.module.train()
-        for step in range(self.start_step, self.steps):
-            if self.fault is not None:
-                self.fault.before_step(step)
-            lr = self._set_lr(step)
-            clock.start()
-            noise: tuple[float, float, float | None] | None = None
-            if sync.takes_part(step):
-                losses, samples, report, noise = self._compute(step, clock, scale, last_compute)
-            else:  # the step's update is made without this rank (backup workers): it catches up
-                for phase in ("data", "injected", "forward", "backward"):
-                    clock.mark(phase)
-                report = self._synchronize(step, boundary=True, sits_out=True)
-                clock.mark("sync")
-                losses, samples = [], 0
-            if not sync.steps_optimizer:
-                self.optimizer.step()
-            sync.zero_grad()
-            clock.mark("optimizer")
-            times = clock.finish()
-            phases = times.phases
-            record = StepRecord(
-                step=step,
-                rank=world.rank,
-                samples=0 if report.dropped else samples,  # the samples the update took
-                loss=(losses[0] if len(losses) == 1 else torch.stack(losses).mean()).item() if losses else None,
-                t_data=phases["data"],
-                t_injected=phases["injected"],
-                t_forward=phases["forward"],
-                t_backward=phases["backward"],
-                t_sync=phases["sync"],
-                # None: completed after the run from all ranks' arrival times (testbed.timing)
-                t_wait=report.t_wait,
-                t_comm=report.t_comm,
-                t_encode=report.t_encode,
-                t_decode=report.t_decode,
-                t_optimizer=phases["optimizer"],
-                t_step=times.step,
-                bytes_sent=report.bytes_sent,
-                bytes_recv=report.bytes_recv,
-                t_sync_enter=times.sync_enter,
-                t_sync_exit=times.sync_exit,
-                lr=lr,
-                staleness=report.staleness,
-                residual_norm=report.residual_norm,
-                dropped=None if report.dropped is None else int(report.dropped),
-                grad_sq_small=None if noise is None else noise[0],
-                grad_sq_big=None if noise is None else noise[1],
-                noise_scale=None if noise is None else noise[2],
-            )
-            if losses:
-                last_compute = real_compute_time(record)
-            if self.balancer is not None and (sizes := self.balancer.after_step(step, record)) is not None:
-                self.loss_weight = rank_loss_weight(sizes, world.rank)
-                scale = self.loss_weight / k
-                if self.noise is not None:
-                    self.noise.resize([b * k for b in sizes], self.loss_weight)
-            self.step_log.write(record)
-            records.append(record)
-            if record.loss is not None and not math.isfinite(record.loss):  # recorded, then stop: NaN spreads
-                raise NonFiniteLoss(f"rank {world.rank}: loss is {record.loss} at step {step}")
-            if self.on_record is not None:
-                self.on_record(record)
-            if self.after_step is not None:
-                self.after_step(step)
-            if world.is_main and ((step + 1) % self.log_every == 0 or step + 1 == self.steps):
-                self._progress(step, record, time.perf_counter() - began)
-            if self.evaluator is not None and self.evaluator.due(step):
-                row = self.evaluator.evaluate(sync, step, time.perf_counter() - began)
-                if world.is_main:
-                    log.info("eval after step %d: %s", step + 1, _metrics_line(row))
-                if self.evaluator.stop_now():
+        step = self.start_step
+        while step < self.steps:
+            try:
+                if self.fault is not None:
+                    self.fault.before_step(step)
+                lr = self._set_lr(step)
+                clock.start()
+                noise: tuple[float, float, float | None] | None = None
+                if sync.takes_part(step):
+                    losses, samples, report, noise = self._compute(step, clock, scale, last_compute)
+                else:  # the step's update is made without this rank (backup workers): it catches up
+                    for phase in ("data", "injected", "forward", "backward"):
+                        clock.mark(phase)
+                    report = self._synchronize(step, boundary=True, sits_out=True)
+                    clock.mark("sync")
+                    losses, samples = [], 0
+                if not sync.steps_optimizer:
+                    self.optimizer.step()
+                sync.zero_grad()
+                clock.mark("optimizer")
+                times = clock.finish()
+                phases = times.phases
+                record = StepRecord(
+                    step=step,
+                    rank=self.worker,
+                    samples=0 if report.dropped else samples,  # the samples the update took
+                    loss=(losses[0] if len(losses) == 1 else torch.stack(losses).mean()).item() if losses else None,
+                    t_data=phases["data"],
+                    t_injected=phases["injected"],
+                    t_forward=phases["forward"],
+                    t_backward=phases["backward"],
+                    t_sync=phases["sync"],
+                    # None: completed after the run from all ranks' arrival times (testbed.timing)
+                    t_wait=report.t_wait,
+                    t_comm=report.t_comm,
+                    t_encode=report.t_encode,
+                    t_decode=report.t_decode,
+                    t_optimizer=phases["optimizer"],
+                    t_step=times.step,
+                    bytes_sent=report.bytes_sent,
+                    bytes_recv=report.bytes_recv,
+                    t_sync_enter=times.sync_enter,
+                    t_sync_exit=times.sync_exit,
+                    lr=lr,
+                    staleness=report.staleness,
+                    residual_norm=report.residual_norm,
+                    dropped=None if report.dropped is None else int(report.dropped),
+                    grad_sq_small=None if noise is None else noise[0],
+                    grad_sq_big=None if noise is None else noise[1],
+                    noise_scale=None if noise is None else noise[2],
+                )
+                if losses:
+                    last_compute = real_compute_time(record)
+                if self.balancer is not None and (sizes := self.balancer.after_step(step, record)) is not None:
+                    self.loss_weight = rank_loss_weight(sizes, world.rank)
+                    scale = self.loss_weight / k
+                    if self.noise is not None:
+                        self.noise.resize([b * k for b in sizes], self.loss_weight)
+                self.step_log.write(record)
+                records.append(record)
+                if record.loss is not None and not math.isfinite(record.loss):  # recorded, then stop: NaN spreads
+                    raise NonFiniteLoss(f"rank {world.rank}: loss is {record.loss} at step {step}")
+                if self.on_record is not None:
+                    self.on_record(record)
+                if self.after_step is not None:
+                    self.after_step(step)
+                if world.is_main and ((step + 1) % self.log_every == 0 or step + 1 == self.steps):
+                    self._progress(step, record, time.perf_counter() - began)
+                if self.evaluator is not None and self.evaluator.due(step):
+                    row = self.evaluator.evaluate(sync, step, time.perf_counter() - began)
                     if world.is_main:
-                        log.info("target %s reached after step %d: every rank stops", self.evaluator.target.describe(),
-                                 step + 1)
-                    break
+                        log.info("eval after step %d: %s", step + 1, _metrics_line(row))
+                    if self.evaluator.stop_now():
+                        if world.is_main:
+                            log.info("target %s reached after step %d: every rank stops", self.evaluator.target.describe(),
+                                     step + 1)
+                        break
+            except Exception as exc:  # a lost worker: the survivors regroup and go on (testbed.elastic)
+                if self.membership is None or not self.membership.recoverable(exc):
+                    raise
+                step = self._regroup(step, exc)
+                world, scale = self.world, self.loss_weight / k
+                records[:] = [r for r in records if r.step < step]  # rolled back: done again
+                continue
+            if self.membership is not None:
+                self.membership.after_step(step)
+            step += 1
         return records
+
+    def _regroup(self, step: int, exc: BaseException) -> int:
+        """``step`` failed on a lost worker: go on with the next membership from its restored commit."""
+        assert self.membership is not None and self.on_regroup is not None
+        resume = self.membership.regroup(step, exc)
+        self.world = self.membership.world
+        self.loss_weight = self.on_regroup(self.world)
+        self.sync.zero_grad()
+        return resume
 
     def _compute(
         self, step: int, clock: StepClock, scale: float, last_compute: float | None

@@ -17,6 +17,8 @@ import torch.distributed as dist
 
 # Set by the local launcher (testbed.launch.spawn): rank 0 serves the ranks' store on loopback only.
 LOOPBACK_STORE_ENV = "TESTBED_LOOPBACK_STORE"
+# Set by the elastic launcher (testbed.launch.supervisor): it serves the store, every rank is a client.
+LAUNCHER_STORE_ENV = "TESTBED_LAUNCHER_STORE"
 
 
 @dataclass(frozen=True)
@@ -74,10 +76,17 @@ def init_world(device_kind: str, backend: str, timeout_s: float, debug: bool = F
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    store = _store(rank, world_size, timedelta(seconds=timeout_s))  # kept: the stall check posts to it
+    return form_world(store, "default_pg", rank, world_size, device, backend, timeout_s, local_rank, local_world)
+
+
+def form_world(store: dist.Store, prefix: str, rank: int, world_size: int, device: torch.device, backend: str,
+               timeout_s: float, local_rank: int | None = None, local_world: int | None = None) -> World:
+    """The default process group of ``world_size`` ranks over ``store``, its keys under ``prefix``
+    (a new membership forms its group under a prefix of its own: testbed.elastic)."""
     timeout = timedelta(seconds=timeout_s)
-    store = _store(rank, world_size, timeout)  # kept: the stall check posts to it
     store.set_timeout(timeout)
-    store = dist.PrefixStore("default_pg", store)
+    store = dist.PrefixStore(prefix, store)
     dist.init_process_group(
         backend=backend,
         store=store,
@@ -86,6 +95,8 @@ def init_world(device_kind: str, backend: str, timeout_s: float, debug: bool = F
         timeout=timeout,
         device_id=device if backend == "nccl" else None,
     )
+    local_rank = rank if local_rank is None else local_rank
+    local_world = world_size if local_world is None else local_world
     world = World(rank, local_rank, world_size, local_world, device, backend, timeout_s, store=store)
     offset = _clock_offset(world)
     return World(rank, local_rank, world_size, local_world, device, backend, timeout_s, offset, store)
@@ -95,7 +106,10 @@ def _store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
     """The ranks' key-value store at ``MASTER_PORT``: as init_process_group makes it for env://
     (served by rank 0 on every interface, where the ranks of a multi-machine job reach it), or, in a
     local job (``LOOPBACK_STORE_ENV``), served by rank 0 on loopback only, since a store has no
-    authentication."""
+    authentication; or, under the elastic launcher (``LAUNCHER_STORE_ENV``), the launcher's, which
+    outlives any rank."""
+    if os.environ.get(LAUNCHER_STORE_ENV) == "1":
+        return dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), None, is_master=False, timeout=timeout)
     if os.environ.get(LOOPBACK_STORE_ENV) != "1":
         store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
         return store

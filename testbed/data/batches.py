@@ -34,10 +34,12 @@ class RankBatches:
         self.resize(sizes)
         self._orders: dict[int, torch.Tensor] = {}
 
-    def resize(self, sizes: list[int]) -> None:
-        """From the next batch on, every rank's samples per step are ``sizes`` (balance=...): the
-        ranks' shares change, the global batch and its samples do not, so no sample is taken twice
-        or left out."""
+    def resize(self, sizes: list[int], rank: int | None = None) -> None:
+        """From the next batch on, every rank's samples per step are ``sizes`` (balance=..., or a new
+        membership, where this rank is ``rank`` of ``len(sizes)``): the ranks' shares change, the
+        global batch and its samples do not, so no sample is taken twice or left out."""
+        if rank is not None:
+            self.rank = rank
         if sum(sizes) != self.global_batch or min(sizes) < 1:
             raise ValueError(f"batch sizes {sizes}: each >= 1, summing to the global batch {self.global_batch}")
         self.per_rank, self.offset = sizes[self.rank], sum(sizes[: self.rank])

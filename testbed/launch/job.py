@@ -19,6 +19,7 @@ from testbed import checkpoint, config
 from testbed.launch.existing import in_submitit_job, surrounding_world
 from testbed.launch.rank import ATTEMPT_ENV, rank_main
 from testbed.launch.spawn import RankFailure, spawn_world
+from testbed.launch.supervisor import supervise_world
 from testbed.netem import EmulatedNetwork, machines_of
 from testbed.preflight import check_free_ports, listeners
 from testbed.rank_failure import RunFailure, kind_of, lost_peer, recorded, root_cause
@@ -169,11 +170,17 @@ def _attempt(
                 start = spec.servers.start(plain, cfg.world_size, job_dir / "logs", hosts, saving, restore)
                 env.update(stack.enter_context(start))  # writes the servers' addresses into plain["sync"]
                 log.info("sync=%s servers up: %s", cfg.sync.name, ", ".join(plain["sync"]["addresses"]))
-            results = spawn_world(
-                rank_main, (plain, str(job_dir), identity), cfg.world_size, job_dir / "logs",
-                rendezvous_timeout_s=cfg.timeouts.rendezvous_s, echo_rank0=cfg.launcher.echo_rank0,
-                monitor_interval_s=cfg.launcher.monitor_interval_s, env=env, fresh_interpreters=bool(cfg.debug),
-            )
+            launch = (rank_main, (plain, str(job_dir), identity), cfg.world_size, job_dir / "logs")
+            if cfg.elastic.enabled:  # ranks that may leave without stopping the others
+                results = supervise_world(
+                    *launch, int(cfg.elastic.min_workers), rendezvous_timeout_s=cfg.timeouts.rendezvous_s,
+                    echo_rank0=cfg.launcher.echo_rank0, monitor_interval_s=cfg.launcher.monitor_interval_s, env=env,
+                )
+            else:
+                results = spawn_world(
+                    *launch, rendezvous_timeout_s=cfg.timeouts.rendezvous_s, echo_rank0=cfg.launcher.echo_rank0,
+                    monitor_interval_s=cfg.launcher.monitor_interval_s, env=env, fresh_interpreters=bool(cfg.debug),
+                )
             summary = results[0]
             if network is not None and network.machines is not None:
                 summary["topology"] = network.traffic()
@@ -274,6 +281,11 @@ def _check_joined(cfg: DictConfig, joined: tuple[int, int, int, int], hydra_cfg:
             fix = f"set hydra.launcher.tasks_per_node so that nodes x tasks_per_node = {cfg.world_size}"
         raise config.ConfigError(
             f"world_size={cfg.world_size} but the surrounding torchrun/Slurm world has {world_size} ranks; {fix}"
+        )
+    if cfg.elastic.enabled:
+        raise config.ConfigError(
+            "elastic.enabled inside torchrun/Slurm: the testbed's elastic launcher forks and watches the ranks "
+            "itself; run without torchrun/Slurm (torchrun's own --nnodes=MIN:MAX restarts every worker: docs/elastic.md)"
         )
     if cfg.network.name == "emulated":
         raise config.ConfigError(

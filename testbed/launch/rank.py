@@ -9,6 +9,7 @@ from __future__ import annotations
 import _thread
 import hashlib
 import logging
+import math
 import os
 import resource
 import signal
@@ -29,6 +30,7 @@ from testbed.balance import Balancer
 from testbed.buffers import BufferSync
 from testbed.checks import resolved_backend, resolved_device
 from testbed.data import build_data, build_heldout, data_kind, heldout_of
+from testbed.elastic.membership import Membership
 from testbed.eval.config import evaluates
 from testbed.eval.evaluate import Evaluator
 from testbed.eval.schedule import schedule_of
@@ -74,6 +76,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
     tracker: WandbRun | None = None
     summary: dict[str, Any] | None = None
     arrivals: Arrivals | None = None
+    membership: Membership | None = None
     try:  # from the start, so that every failure of the rank is recorded with its kind
         enter_rank_namespace()  # network=emulated: before any socket exists
         spec = spec_of(cfg.sync.name)
@@ -84,7 +87,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
         log.info("rank %d/%d pid %d device %s backend %s", world.rank, world.world_size, os.getpid(), world.device,
                  world.backend)
         sync = spec.impl(cfg.sync, cfg.compress, int(cfg.seed))
-        if world.world_size > 1:
+        if world.world_size > 1 and not cfg.elastic.enabled:  # elastic: a missing rank is a lost worker
             arrivals = Arrivals(world.rank, world.world_size, cfg.timeouts.stall_warn_s, world.store)
         threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // world.local_world_size)
         torch.set_num_threads(threads)
@@ -105,6 +108,8 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
             resumed, earlier = done + 1, checkpoint.earlier_records(Path(cfg.resume), world.rank, done)
         buffers = BufferSync(model, "local" if cfg.sync_bn else cfg.buffers, world.world_size)
         sync.setup(model, optimizer, world)
+        if cfg.elastic.enabled:
+            membership = Membership(cfg, world, model, optimizer, resumed)
         # The replicas were built alike from one seed; from here on each rank draws its own
         # randomness (dropout masks), as separate machines would.
         torch.manual_seed(rank_seed(cfg.seed, world.rank))
@@ -130,6 +135,9 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
             noise=noise_probe(cfg, model, sizes, world.rank, sync),
             balancer=(Balancer(cfg.balance, sizes, world.rank, world.device, resumed, data.resize)
                       if cfg.balance.name != "none" else None),
+            membership=membership,
+            on_regroup=(_regrouper(membership, sync, model, optimizer, data, buffers, evaluator, sum(sizes))
+                        if membership else None),
         )
         if state is not None:
             checkpoint.restore_rng(state, injector.rng)
@@ -149,6 +157,9 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
                 evaluator.evaluate(sync, last, time.perf_counter() - trainer.began)
             facts["eval"] = evaluator.summary()
             evaluator.close()
+        world = trainer.world  # a new membership renumbers the ranks
+        if membership is not None:
+            facts["membership"] = membership.describe()
         bound = communication_bound_s(cfg) if world.is_main else None
         summary = _finish(plain_cfg, world, model, sync, step_log, records, Path(job_dir), facts, bound)
         return summary
@@ -160,6 +171,8 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
     finally:
         if arrivals:
             arrivals.close()
+        if membership:
+            membership.close()
         if tracker:
             tracker.finish(summary)
             remove_import_temporaries()  # this process ends without the interpreter's exit
@@ -184,9 +197,13 @@ def _finish(
         "device": str(world.device),
         "backend": world.backend,
     }
-    latest = torch.tensor([r.t_sync_enter for r in records], dtype=torch.float64, device=world.device)
+    # By step: after a new membership a rank may lack the step it skipped to the restored commit.
+    latest = torch.full((int(plain_cfg["steps"]),), -math.inf, dtype=torch.float64, device=world.device)
+    for r in records:
+        latest[r.step] = r.t_sync_enter
     dist.all_reduce(latest, op=dist.ReduceOp.MAX)
-    fill_wait_from_latest(records, latest.tolist(), sync.waits_for_peers)
+    by_step = latest.tolist()
+    fill_wait_from_latest(records, [by_step[r.step] for r in records], sync.waits_for_peers)
     step_log.rewrite(records)
     gathered: list[Any] | None = [None] * world.world_size if world.is_main else None
     dist.gather_object((records, facts), gathered, dst=0)
@@ -198,6 +215,26 @@ def _finish(
                         comm_bound_s=comm_bound_s)
     write_summary(job_dir, summary)
     return summary
+
+
+def _regrouper(membership: Membership, sync: Synchronizer, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               data: Any, buffers: BufferSync, evaluator: Evaluator | None, global_batch: int) -> Callable[[World], float]:
+    """What a rank rebuilds for a new membership: the synchronizer over the new group, its share of
+    the global batch (the same global batch, split evenly: elastic keeps it), the buffers' and the
+    evaluation's view of the world; it returns the rank's loss weight."""
+
+    def regroup(world: World) -> float:
+        sync.close()
+        sync.setup(model, optimizer, world)
+        membership.arm()
+        sizes = [global_batch // world.world_size] * world.world_size
+        data.resize(sizes, world.rank)
+        buffers.world_size = world.world_size
+        if evaluator is not None:
+            evaluator.world = world
+        return loss_weight(sizes, world.rank)
+
+    return regroup
 
 
 def _evaluator(cfg: Any, spec: Any, world: World, job_dir: Path, train_samples: int | None,

@@ -114,7 +114,7 @@ def spawn_world(
         ),
     )
     try:
-        with _launch_environment(log_dir, {**loopback_env(), **(env or {})}) as environ:
+        with launch_environment(log_dir, {**loopback_env(), **(env or {})}) as environ:
             return elastic_launch(config, _in_environment)(entry, environ, *args)
     except ChildFailedError as exc:
         # The agent reports the first failed rank it finds; when that one only lost a peer, the
@@ -131,7 +131,7 @@ def _in_environment(entry: Callable[..., Any], environ: dict[str, str], *args: A
 
 
 @contextmanager
-def _launch_environment(log_dir: Path, env: dict[str, str]) -> Iterator[dict[str, str]]:
+def launch_environment(log_dir: Path, env: dict[str, str]) -> Iterator[dict[str, str]]:
     """Temporary files of the launch (torch's per-rank error files) go to, and go with, ``log_dir/tmp``;
     ranks start with one OpenMP thread until they size their own pools (threads_per_rank), and
     get the launcher's environment with ``env`` added, which is yielded."""

@@ -169,6 +169,8 @@ def summarize(
         summary["buffers_identical"] = len(set(summary["buffer_hash"])) == 1
         summary["buffers"] = per_rank[0].get("buffers")
         summary["data"] = per_rank[0].get("data")
+        if per_rank[0].get("membership"):  # elastic.enabled: the membership timeline (testbed.elastic)
+            summary["membership"] = per_rank[0]["membership"]
         summary.update(workload_throughput(summary["throughput"], per_rank[0].get("workload"), cfg, per_rank[0]["device"]))
         # Held-out evaluation (testbed.eval): the metrics are all-reduced, so rank 0's are everyone's.
         summary["eval"] = (per_rank[0].get("eval") or {}).get("eval")

@@ -93,4 +93,5 @@ NATIVE = SimModel(series=lambda cfg: "native", cost=lambda cfg: lambda s: ring(i
 SPEC = SyncSpec(
     name="allreduce", schema=AllReduceSyncConfig, impl=NativeAllReduce, sim=NATIVE, compresses=True,
     rank_env=lambda cfg: {"NCCL_ALGO": str(cfg.sync.nccl_algo)} if cfg.sync.get("nccl_algo") else {},
+    inelastic=None,
 )

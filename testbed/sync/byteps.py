@@ -238,4 +238,5 @@ SPEC = SyncSpec(
         machines=server_machines,
     ),
     communicates_alone=True, no_codec="sync=byteps carries no codec yet (BytePS's compression plugins are not built)",
+    inelastic="the parameter servers do not drop a lost worker from their barrier and clocks",
 )

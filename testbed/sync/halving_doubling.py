@@ -35,4 +35,5 @@ SPEC = SyncSpec(
     name="halving_doubling", schema=HalvingDoublingSyncConfig, impl=HalvingDoublingAllReduce, compresses=True,
     sim=SimModel(series=lambda cfg: "halving_doubling", cost=lambda cfg: lambda s: halving_doubling(int(cfg.world_size), s)),
     check=lambda cfg: require_gloo_cpu(cfg, "sync=halving_doubling"),
+    inelastic=None,
 )

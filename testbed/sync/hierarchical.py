@@ -94,4 +94,5 @@ def _check(cfg: Any) -> None:
 
 
 SPEC = SyncSpec(name="hierarchical", schema=HierarchicalSyncConfig, impl=HierarchicalAllReduce, check=_check,
-                compresses=True, sim=SimModel(series=lambda cfg: "ring", cost=_cost, two_level=_two_level))
+                compresses=True, sim=SimModel(series=lambda cfg: "ring", cost=_cost, two_level=_two_level),
+                inelastic="its two-level groups follow the machines, which a new membership does not re-plan")

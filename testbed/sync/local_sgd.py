@@ -111,4 +111,5 @@ SPEC = SyncSpec(
     averaged_gradient=lambda cfg: "local SGD averages parameters every few steps, never a step's gradients",
     unbalanced=lambda cfg: "a rank's local steps are its own batches', not one global batch's; balance the batches of a "
                            "synchronous synchronizer",
+    inelastic="its averaging writes into the parameters, which an abandoned collective could still write after the rollback",
 )

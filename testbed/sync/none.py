@@ -50,4 +50,5 @@ class NoSync(Synchronizer):
 
 SPEC = SyncSpec(name="none", schema=NoneSyncConfig, impl=NoSync, sim=None, no_codec="nothing is communicated",
                 averaged_gradient=lambda cfg: "nothing is averaged",
-                unbalanced=lambda cfg: "nothing is averaged, so no step waits for a slow rank")
+                unbalanced=lambda cfg: "nothing is averaged, so no step waits for a slow rank",
+                inelastic="nothing is synchronized, so no worker waits for a lost one: there is no membership")

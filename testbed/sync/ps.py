@@ -447,4 +447,5 @@ SPEC = SyncSpec(
     exclusive={"backup_workers": "an update that goes on without the late workers' gradients needs a party that "
                                  "applies it: a collective waits for every rank's, so backup workers are a parameter-"
                                  "server policy"},
+    inelastic="the parameter servers do not drop a lost worker from their barrier and clocks",
 )

@@ -32,4 +32,5 @@ RING = SimModel(series=lambda cfg: "ring", cost=lambda cfg: lambda s: ring(int(c
                 two_level=node_ordered_ring)
 
 SPEC = SyncSpec(name="ring", schema=RingSyncConfig, impl=RingAllReduce, sim=RING, compresses=True,
-                check=lambda cfg: require_gloo_cpu(cfg, "sync=ring"))
+                check=lambda cfg: require_gloo_cpu(cfg, "sync=ring"),
+                inelastic=None)

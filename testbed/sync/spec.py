@@ -110,6 +110,10 @@ class SyncSpec:
     # Why the ranks' batches cannot be balanced (testbed.balance): a step that is not one global
     # batch's mean gradient; None: they can.
     unbalanced: Callable[[Any], str | None] = lambda cfg: None
+    # Why a lost worker cannot leave a run of it without a restart (elastic.enabled,
+    # testbed.elastic); None: its survivors regroup (a new process group, set up again, and the
+    # last commit restored).
+    inelastic: str | None = "its state is not rebuilt for a new membership"
 
     def local_servers(self, cfg: Any) -> int:
         return self.servers.count(cfg) if self.servers else 0

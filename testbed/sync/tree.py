@@ -64,4 +64,5 @@ def _check(cfg: Any) -> None:
 
 
 SPEC = SyncSpec(name="tree", schema=TreeSyncConfig, impl=TreeAllReduce, check=_check, compresses=True,
-                sim=SimModel(series=lambda cfg: "tree", cost=_cost))
+                sim=SimModel(series=lambda cfg: "tree", cost=_cost),
+                inelastic=None)

@@ -1,0 +1,62 @@
+"""The ``elastic`` config group and its checks (before anything is spawned)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from testbed.checks import require
+from testbed.data.kinds import data_kind
+from testbed.imbalance import shard_batches
+from testbed.sync import SYNCHRONIZERS
+
+
+@dataclass
+class ElasticConfig:
+    # A worker lost (killed, crashed) leaves the run, which goes on with the others in a new process
+    # group, without a restart and without reading from disk (testbed.elastic).
+    enabled: bool = False
+    min_workers: int = 1  # fewer left than this: the run fails, saying so
+    # Steps between in-memory commits of parameters and optimizer state: the point the survivors
+    # roll back to when a step was interrupted (1: every step, at the cost of one copy a step).
+    commit_every: int = 1
+
+
+def check_elastic(cfg: Any) -> None:
+    elastic = cfg.elastic
+    if not elastic.enabled:
+        return
+    n, sync = int(cfg.world_size), cfg.sync.name
+    require(n >= 2, f"elastic.enabled with world_size={n}: a world of one has no worker to lose; use world_size >= 2")
+    require(1 <= elastic.min_workers <= n,
+            f"elastic.min_workers={elastic.min_workers}: must be in [1, world_size={n}]")
+    require(elastic.commit_every >= 1, f"elastic.commit_every={elastic.commit_every}: steps between commits, must be >= 1")
+    why = SYNCHRONIZERS[sync].inelastic
+    require(why is None, f"elastic.enabled with sync={sync}: {why}; use sync="
+            + "|".join(name for name, spec in SYNCHRONIZERS.items() if spec.inelastic is None))
+    require(cfg.network.name == "loopback", f"elastic.enabled with network={cfg.network.name}: the ranks' store is "
+            "the launcher's, on loopback, which an emulated host's namespace cannot reach; use network=loopback")
+    require(cfg.launcher.get("max_restarts", 0) == 0 and not (cfg.checkpoint.every or cfg.resume),
+            "elastic.enabled with launcher.max_restarts or checkpoint.every/resume: the two are the alternatives "
+            "an elastic comparison sets side by side (commits in memory against a restart from disk); run them apart")
+    require(cfg.compress.name == "none", f"elastic.enabled with compress={cfg.compress.name}: a codec's per-rank "
+            "state (error-feedback residuals) is not committed with the model; use compress=none")
+    require(cfg.balance.name == "none" and cfg.imbalance.name != "uneven",
+            "elastic.enabled with balance=... or imbalance=uneven: a new membership splits the global batch evenly "
+            "among its workers; use balance=none and an even imbalance")
+    require(not cfg.stats.noise_scale, "elastic.enabled with stats.noise_scale: the estimate's batches change with "
+            "the membership; drop stats.noise_scale")
+    require(data_kind(cfg.data.name).resizable, f"elastic.enabled with data={cfg.data.name}: a new membership re-splits "
+            "the global batch, and these batches have a fixed size (a DataLoader's); use an in-memory data set "
+            "(synthetic|digits|mnist1d|lm)")
+    fault = cfg.fault
+    require(fault.name in ("none", "kill_rank"), f"elastic.enabled with fault={fault.name}: a leaving worker is "
+            "fault=kill_rank (or a real crash)")
+    require(fault.name != "kill_rank" or fault.rank != 0, "elastic.enabled with fault.rank=0: worker 0 writes the "
+            "run's results and its loss fails the run; lose another (fault.rank >= 1)")
+    # keep_global: every membership the run may reach splits the global batch evenly.
+    total = sum(shard_batches(cfg))
+    for m in range(int(elastic.min_workers), n + 1):
+        require(total % m == 0, f"elastic.min_workers={elastic.min_workers}: a global batch of {total} samples "
+                f"(data.batch_size, world_size={n}) does not divide among {m} workers; choose a global batch that "
+                f"every size from min_workers to world_size divides, or raise elastic.min_workers")

@@ -1,0 +1,246 @@
+"""A rank's side of elastic membership: commits, the next membership's process group, the rollback.
+
+The launcher (testbed.launch.supervisor) announces membership epoch k in its store under
+``elastic/epoch/<k>``: the workers that go on, whom they lost and why. A rank learns of it in two
+ways. Its collective fails (a peer's socket closed), or, when it waits on a live peer that has
+itself stopped on the failure, a watcher thread sees the announcement and shuts this rank's
+connections of the old group down. Gloo has no abort that wakes a peer blocked in a receive (a
+destroyed or aborted group keeps its sockets open, and that peer waits out the collective timeout),
+so shutting the sockets is what wakes it, within milliseconds.
+
+Then every survivor leaves the old group, forms the new one (its keys under ``epoch<k>/``, ranks
+renumbered in worker order), and agrees on the newest commit any survivor holds: its holder
+broadcasts parameters, buffers and optimizer state, and training goes on from the step after it.
+A step that was cut off inside a collective is done again by the new membership.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from testbed.rank_failure import RunFailure, kind_of, lost_peer
+from testbed.world import World, form_world
+
+log = logging.getLogger("testbed")
+
+
+def epoch_key(epoch: int) -> str:
+    return f"elastic/epoch/{epoch}"
+
+
+class MembershipLost(RunFailure):
+    """A survivor's collective failed and no new membership was announced within the collective
+    timeout (a hung peer, not a lost one), or the membership fell below ``elastic.min_workers``."""
+
+    kind = "membership"
+
+
+@dataclass
+class Commit:
+    """The state the survivors roll back to: after ``step`` (-1: before the first)."""
+
+    step: int
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+
+
+class Membership:
+    """This worker's view of the run's membership: ``worker`` is its rank at the start, its name in
+    every file; ``world`` is the current process group's view (rank, size)."""
+
+    def __init__(self, cfg: Any, world: World, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 start_step: int) -> None:
+        """After the synchronizer's setup (its groups exist); commits the state before ``start_step``."""
+        self.worker, self.world = world.rank, world
+        self.model, self.optimizer = model, optimizer
+        self.commit_every = int(cfg.elastic.commit_every)
+        self.epoch, self.members = 0, list(range(world.world_size))
+        timeout = timedelta(seconds=float(cfg.timeouts.collective_s))
+        self._port = int(os.environ["MASTER_PORT"])
+        self._store = dist.TCPStore("127.0.0.1", self._port, None, is_master=False, timeout=timeout)
+        self.timeout_s = float(cfg.timeouts.collective_s)
+        # Epoch 0's timeline entry; one more per change (summary.json's ``membership``).
+        self.timeline: list[dict[str, Any]] = [{"epoch": 0, "step": start_step, "world_size": world.world_size,
+                                                "members": self.members, "cause": "start"}]
+        self._resumed_at: dict[str, Any] | None = None  # the newest change, until its first step completes
+        self.commit: Commit | None = None
+        self._lock = threading.Lock()
+        self._connections: dict[int, str] = {}  # fd -> its socket's inode link, of the current group
+        self._severed = -1  # the newest epoch whose group's connections were shut
+        self._closing = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="testbed-membership", daemon=True)
+        self._watcher.start()
+        self.arm()
+        self.save(start_step - 1)
+
+    # --- in the training loop -------------------------------------------------------------------
+
+    def arm(self) -> None:
+        """After the group and the synchronizer's own groups exist: note their connections."""
+        with self._lock:
+            self._connections = _group_connections(self._port)
+
+    def after_step(self, step: int) -> None:
+        """Commit every ``commit_every`` steps; time the first step a new membership completes."""
+        if self._resumed_at is not None:
+            self._resumed_at["downtime_s"] = round(time.time() - self._resumed_at.pop("detected_at"), 3)
+            self._resumed_at = None
+        if (step + 1) % self.commit_every == 0:
+            self.save(step)
+
+    def save(self, step: int) -> None:
+        self.commit = Commit(step, {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                             copy.deepcopy(self.optimizer.state_dict()))
+
+    def recoverable(self, exc: BaseException) -> bool:
+        """A failure a new membership may mend: a lost peer or a collective's timeout."""
+        return not isinstance(exc, RunFailure) and (lost_peer(str(exc)) or kind_of(exc) == "timeout")
+
+    def regroup(self, failed_step: int, exc: BaseException) -> int:
+        """Wait for the next membership, form its group and restore the newest commit; return the
+        step to go on from. Raises ``MembershipLost`` when none is announced in time."""
+        while True:
+            announced = self._announced(exc)
+            try:
+                return self._join(announced, failed_step)
+            except Exception as again:  # another worker lost while forming this one
+                if not self.recoverable(again):
+                    raise
+                exc = again
+
+    # --- the new membership ---------------------------------------------------------------------
+
+    def _announced(self, exc: BaseException) -> dict[str, Any]:
+        try:
+            self._store.wait([epoch_key(self.epoch + 1)], timedelta(seconds=self.timeout_s))
+        except dist.DistStoreError:
+            raise MembershipLost(f"worker {self.worker}: a collective failed ({exc}) and no new membership was "
+                                 f"announced within timeouts.collective_s={self.timeout_s:g}") from exc
+        epoch = self.epoch + 1
+        while self._store.check([epoch_key(epoch + 1)]):  # several changes at once: the newest
+            epoch += 1
+        return {"epoch": epoch, **json.loads(self._store.get(epoch_key(epoch)))}
+
+    def _join(self, announced: dict[str, Any], failed_step: int) -> int:
+        with self._lock:  # the watcher must not shut sockets that the new group may reuse
+            self._severed = max(self._severed, self.epoch)
+            self._connections = {}
+        dist.destroy_process_group()
+        self.epoch, self.members = announced["epoch"], announced["members"]
+        if self.worker not in self.members:
+            raise MembershipLost(f"worker {self.worker} is not in membership {self.epoch}")
+        rank = self.members.index(self.worker)
+        old = self.world
+        self.world = form_world(self._store, f"epoch{self.epoch}", rank, len(self.members), old.device,
+                                old.backend, old.timeout_s)
+        formed = time.time()
+        restored = self._restore()
+        change = {"epoch": self.epoch, "step": restored + 1, "world_size": len(self.members),
+                  "members": self.members, "lost": announced["lost"], "cause": announced["cause"],
+                  "interrupted_step": failed_step,
+                  # steps this worker had completed after the commit it rolls back to
+                  "rolled_back_steps": max(0, failed_step - 1 - restored),
+                  "regroup_s": round(formed - announced["detected_at"], 3),
+                  "detected_at": announced["detected_at"]}
+        self.timeline.append(change)
+        self._resumed_at = change
+        log.warning("membership %d: workers %s go on from step %d (lost %s: %s)", self.epoch, self.members,
+                    restored + 1, announced["lost"], announced["cause"])
+        return restored + 1
+
+    def _restore(self) -> int:
+        """The newest commit among the survivors, from the lowest rank that holds it; its step."""
+        assert self.commit is not None  # saved before the first step
+        newest = torch.tensor([self.commit.step], dtype=torch.int64)
+        dist.all_reduce(newest, op=dist.ReduceOp.MAX)
+        holder = torch.tensor([self.world.rank if self.commit.step == newest.item() else self.world.world_size])
+        dist.all_reduce(holder, op=dist.ReduceOp.MIN)
+        src = int(holder.item())
+        state = [self.commit if self.world.rank == src else None]
+        dist.broadcast_object_list(state, src=src)
+        commit: Commit = state[0]  # type: ignore[assignment]
+        self.model.load_state_dict(commit.model)
+        self.optimizer.load_state_dict(copy.deepcopy(commit.optimizer))
+        self.commit = commit
+        return commit.step
+
+    # --- the watcher ----------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        """Shut this rank's connections of the current group once a newer membership is announced:
+        a rank blocked on a live peer that stopped on the failure wakes at once."""
+        store = dist.TCPStore("127.0.0.1", self._port, None, is_master=False, timeout=timedelta(seconds=60))
+        while not self._closing.is_set():
+            epoch = self.epoch
+            try:
+                store.wait([epoch_key(epoch + 1)], timedelta(seconds=1))
+            except dist.DistStoreError:
+                continue
+            with self._lock:
+                if self._severed < epoch and self.epoch == epoch:
+                    _shut(self._connections)
+                    self._severed = epoch
+            self._closing.wait(0.05)  # until the main thread has moved to the new membership
+
+    def describe(self) -> list[dict[str, Any]]:
+        """summary.json's ``membership``: the timeline, one entry per membership epoch."""
+        return [{k: v for k, v in entry.items() if k != "detected_at"} for entry in self.timeline]
+
+    def close(self) -> None:
+        self._closing.set()
+        self._watcher.join(timeout=2.0)
+
+
+def _group_connections(store_port: int) -> dict[int, str]:
+    """This process's connected TCP sockets but those to the store: the process group's."""
+    inodes = {}
+    for name in ("tcp", "tcp6"):
+        try:
+            lines = open(f"/proc/self/net/{name}").read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, remote, state, inode = fields[1], fields[2], fields[3], fields[9]
+            ports = {int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16)}
+            if state == "01" and store_port not in ports:  # ESTABLISHED
+                inodes[f"socket:[{inode}]"] = True
+    connections = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link in inodes:
+            connections[int(fd)] = link
+    return connections
+
+
+def _shut(connections: dict[int, str]) -> None:
+    """Shut (not close: the group still owns the descriptors) each socket that is still the one
+    noted, so that both ends' pending operations fail."""
+    for fd, link in connections.items():
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != link:
+                continue  # closed since (the group dropped a broken pair) and the number reused
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            sock.detach()
