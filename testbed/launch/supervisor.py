@@ -28,6 +28,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, TextIO
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
+
 from testbed.elastic.membership import epoch_key
 from testbed.launch import rank_server
 from testbed.launch.spawn import RankFailure, launch_environment, loopback_env
@@ -58,6 +60,8 @@ def supervise_world(
     run_dir = log_dir / f"testbed-{uuid.uuid4().hex[:12]}" / "attempt_0"
     launch_env = {**loopback_env(), LAUNCHER_STORE_ENV: "1", **(env or {})}
     ranks: dict[int, tuple[multiprocessing.process.BaseProcess, Connection]] = {}
+    # Told to stop, the launcher stops its ranks first (the job records it: testbed.launch.job).
+    previous = signal.signal(signal.SIGTERM, _raise_stop)
     try:
         with launch_environment(log_dir, launch_env) as environ:
             for rank in range(nproc):
@@ -72,6 +76,7 @@ def supervise_world(
             echo = _Echo(run_dir / "0" / "stdout.log") if echo_rank0 else None
             return _watch(ranks, store, min_workers, log_dir, monitor_interval_s, echo)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         _stop([process for process, _ in ranks.values()])
         for _, receive in ranks.values():
             receive.close()
@@ -116,6 +121,10 @@ def _watch(ranks: dict[int, tuple[Any, Connection]], store: Any, min_workers: in
     if echo is not None:
         echo.close()
     return {0: results.get(0)}
+
+
+def _raise_stop(signum: int, frame: Any) -> None:
+    raise SignalException(f"launcher got {signal.Signals(signum).name}", sigval=signal.Signals(signum))
 
 
 def _receive(results: dict[int, Any], rank: int, receive: Connection) -> None:
