@@ -62,7 +62,7 @@ class Trainer:
         noise: GradientNoise | None = None,
         balancer: Balancer | None = None,
         membership: Membership | None = None,
-        on_regroup: Callable[[World], float] | None = None,
+        on_regroup: Callable[[World, int], tuple[int | None, float]] | None = None,
     ) -> None:
         # The model is the synchronizer's (sync.module): a wrapper such as DDP may stand in front of it.
         self.optimizer, self.sync, self.batches = optimizer, sync, batches
@@ -85,7 +85,7 @@ class Trainer:
         self.noise = noise  # the gradient noise scale's estimate (testbed.stats.noise_scale)
         self.balancer = balancer  # re-decides the ranks' batches from their speeds (testbed.balance)
         # elastic.enabled: the run's membership (testbed.elastic), and what rebuilds the rank's parts
-        # for a new one (returns the new loss weight)
+        # for a new one: (the synchronizer's step to go on from, or None; the rank's loss weight)
         self.membership, self.on_regroup = membership, on_regroup
         self.worker = world.rank  # this rank's name in the records, whatever its rank in later memberships
         self.began = time.perf_counter()  # the run's clock (MLPerf's: it never stops, evaluation included)
@@ -102,6 +102,10 @@ class Trainer:
         sync.module.train()
         step = self.start_step
         while step < self.steps:
+            if self.membership is not None and self.membership.announced():  # a worker lost between steps
+                step = self._regroup(step, None, records)
+                world, scale = self.world, self.loss_weight / k
+                continue
             try:
                 if self.fault is not None:
                     self.fault.before_step(step)
@@ -180,22 +184,28 @@ class Trainer:
             except Exception as exc:  # a lost worker: the survivors regroup and go on (testbed.elastic)
                 if self.membership is None or not self.membership.recoverable(exc):
                     raise
-                step = self._regroup(step, exc)
+                step = self._regroup(step, exc, records)
                 world, scale = self.world, self.loss_weight / k
-                records[:] = [r for r in records if r.step < step]  # rolled back: done again
                 continue
             if self.membership is not None:
                 self.membership.after_step(step)
             step += 1
         return records
 
-    def _regroup(self, step: int, exc: BaseException) -> int:
-        """``step`` failed on a lost worker: go on with the next membership from its restored commit."""
+    def _regroup(self, step: int, exc: BaseException | None, records: list[StepRecord]) -> int:
+        """A worker was lost (``step`` failed on it, or it was announced before ``step``): go on in the
+        next membership; the records of the steps it does again are dropped."""
         assert self.membership is not None and self.on_regroup is not None
-        resume = self.membership.regroup(step, exc)
-        self.world = self.membership.world
-        self.loss_weight = self.on_regroup(self.world)
-        self.sync.zero_grad()
+        on_regroup = self.on_regroup
+
+        def rebuild(world: World, epoch: int) -> int | None:
+            self.world = world
+            resume, self.loss_weight = on_regroup(world, epoch)
+            self.sync.zero_grad()
+            return resume
+
+        resume = self.membership.regroup(step, exc, rebuild)
+        records[:] = [r for r in records if r.step < resume]
         return resume
 
     def _compute(

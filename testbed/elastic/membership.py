@@ -23,6 +23,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -80,15 +81,16 @@ class Membership:
         self._connections: dict[int, str] = {}  # fd -> its socket's inode link, of the current group
         self._severed = -1  # the newest epoch whose group's connections were shut
         self._closing = threading.Event()
+        self._news = threading.Event()  # a newer membership is announced
         self._watcher = threading.Thread(target=self._watch, name="testbed-membership", daemon=True)
         self._watcher.start()
-        self.arm()
         self.save(start_step - 1)
 
     # --- in the training loop -------------------------------------------------------------------
 
     def arm(self) -> None:
-        """After the group and the synchronizer's own groups exist: note their connections."""
+        """After the group and the synchronizer's own groups exist: note their connections (those a
+        newer membership shuts; only where the synchronizer's ranks block in collectives)."""
         with self._lock:
             self._connections = _group_connections(self._port)
 
@@ -105,24 +107,51 @@ class Membership:
                              copy.deepcopy(self.optimizer.state_dict()))
 
     def recoverable(self, exc: BaseException) -> bool:
-        """A failure a new membership may mend: a lost peer or a collective's timeout."""
-        return not isinstance(exc, RunFailure) and (lost_peer(str(exc)) or kind_of(exc) == "timeout")
+        """A failure a new membership may mend: a lost peer, a collective's timeout, or a parameter
+        server's refusal of a call of the old membership."""
+        message = str(exc)
+        if "membership changed" in message:
+            return True
+        return not isinstance(exc, RunFailure) and (lost_peer(message) or kind_of(exc) == "timeout")
 
-    def regroup(self, failed_step: int, exc: BaseException) -> int:
-        """Wait for the next membership, form its group and restore the newest commit; return the
-        step to go on from. Raises ``MembershipLost`` when none is announced in time."""
+    def announced(self) -> bool:
+        """A newer membership is announced (seen by the watcher): regroup before the next step."""
+        return self._news.is_set()
+
+    def regroup(self, step: int, exc: BaseException | None, rebuild: Callable[[World, int], int | None]) -> int:
+        """Wait for the next membership (``exc``: the failure that ``step`` ended in; None: announced
+        before ``step`` began), form its group, let ``rebuild(world, epoch)`` set the rank's parts up
+        for it, and return the step to go on from: ``rebuild``'s (a parameter server's workers go on
+        where the servers are) or, where it returns None, the one after the newest commit, restored.
+        Raises ``MembershipLost`` when none is announced in time."""
         while True:
             announced = self._announced(exc)
             try:
-                return self._join(announced, failed_step)
+                self._form(announced)
+                formed = time.time()
+                resume = rebuild(self.world, self.epoch)
+                if resume is None:
+                    resume = self._restore() + 1
             except Exception as again:  # another worker lost while forming this one
                 if not self.recoverable(again):
                     raise
                 exc = again
+                continue
+            change = {"epoch": self.epoch, "step": resume, "world_size": len(self.members), "members": self.members,
+                      "lost": announced["lost"], "cause": announced["cause"],
+                      "interrupted_step": step if exc is not None else None,
+                      "rolled_back_steps": max(0, step - resume),  # completed steps done again
+                      "regroup_s": round(formed - announced["detected_at"], 3),
+                      "detected_at": announced["detected_at"]}
+            self.timeline.append(change)
+            self._resumed_at = change
+            log.warning("membership %d: workers %s go on from step %d (lost %s: %s)", self.epoch, self.members,
+                        resume, announced["lost"], announced["cause"])
+            return resume
 
     # --- the new membership ---------------------------------------------------------------------
 
-    def _announced(self, exc: BaseException) -> dict[str, Any]:
+    def _announced(self, exc: BaseException | None) -> dict[str, Any]:
         try:
             self._store.wait([epoch_key(self.epoch + 1)], timedelta(seconds=self.timeout_s))
         except dist.DistStoreError:
@@ -133,32 +162,19 @@ class Membership:
             epoch += 1
         return {"epoch": epoch, **json.loads(self._store.get(epoch_key(epoch)))}
 
-    def _join(self, announced: dict[str, Any], failed_step: int) -> int:
+    def _form(self, announced: dict[str, Any]) -> None:
+        """Leave the old process group and form the announced membership's."""
         with self._lock:  # the watcher must not shut sockets that the new group may reuse
             self._severed = max(self._severed, self.epoch)
             self._connections = {}
+            self._news.clear()
         dist.destroy_process_group()
         self.epoch, self.members = announced["epoch"], announced["members"]
         if self.worker not in self.members:
             raise MembershipLost(f"worker {self.worker} is not in membership {self.epoch}")
-        rank = self.members.index(self.worker)
         old = self.world
-        self.world = form_world(self._store, f"epoch{self.epoch}", rank, len(self.members), old.device,
-                                old.backend, old.timeout_s)
-        formed = time.time()
-        restored = self._restore()
-        change = {"epoch": self.epoch, "step": restored + 1, "world_size": len(self.members),
-                  "members": self.members, "lost": announced["lost"], "cause": announced["cause"],
-                  "interrupted_step": failed_step,
-                  # steps this worker had completed after the commit it rolls back to
-                  "rolled_back_steps": max(0, failed_step - 1 - restored),
-                  "regroup_s": round(formed - announced["detected_at"], 3),
-                  "detected_at": announced["detected_at"]}
-        self.timeline.append(change)
-        self._resumed_at = change
-        log.warning("membership %d: workers %s go on from step %d (lost %s: %s)", self.epoch, self.members,
-                    restored + 1, announced["lost"], announced["cause"])
-        return restored + 1
+        self.world = form_world(self._store, f"epoch{self.epoch}", self.members.index(self.worker),
+                                len(self.members), old.device, old.backend, old.timeout_s)
 
     def _restore(self) -> int:
         """The newest commit among the survivors, from the lowest rank that holds it; its step."""
@@ -190,6 +206,7 @@ class Membership:
                 continue
             with self._lock:
                 if self._severed < epoch and self.epoch == epoch:
+                    self._news.set()
                     _shut(self._connections)
                     self._severed = epoch
             self._closing.wait(0.05)  # until the main thread has moved to the new membership

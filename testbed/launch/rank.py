@@ -110,6 +110,8 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
         sync.setup(model, optimizer, world)
         if cfg.elastic.enabled:
             membership = Membership(cfg, world, model, optimizer, resumed)
+            if sync.replicas_hold_state:
+                membership.arm()
         # The replicas were built alike from one seed; from here on each rank draws its own
         # randomness (dropout masks), as separate machines would.
         torch.manual_seed(rank_seed(cfg.seed, world.rank))
@@ -136,7 +138,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
             balancer=(Balancer(cfg.balance, sizes, world.rank, world.device, resumed, data.resize)
                       if cfg.balance.name != "none" else None),
             membership=membership,
-            on_regroup=(_regrouper(membership, sync, model, optimizer, data, buffers, evaluator, sum(sizes))
+            on_regroup=(_regrouper(membership, sync, data, buffers, evaluator, sum(sizes))
                         if membership else None),
         )
         if state is not None:
@@ -217,22 +219,23 @@ def _finish(
     return summary
 
 
-def _regrouper(membership: Membership, sync: Synchronizer, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               data: Any, buffers: BufferSync, evaluator: Evaluator | None, global_batch: int) -> Callable[[World], float]:
+def _regrouper(membership: Membership, sync: Synchronizer, data: Any, buffers: BufferSync, evaluator: Evaluator | None,
+               global_batch: int) -> Callable[[World, int], tuple[int | None, float]]:
     """What a rank rebuilds for a new membership: the synchronizer over the new group, its share of
     the global batch (the same global batch, split evenly: elastic keeps it), the buffers' and the
-    evaluation's view of the world; it returns the rank's loss weight."""
+    evaluation's view of the world; it returns the synchronizer's step to go on from (None: after
+    the restored commit) and the rank's loss weight."""
 
-    def regroup(world: World) -> float:
-        sync.close()
-        sync.setup(model, optimizer, world)
-        membership.arm()
+    def regroup(world: World, epoch: int) -> tuple[int | None, float]:
+        resume = sync.regroup(world, epoch)
+        if sync.replicas_hold_state:
+            membership.arm()
         sizes = [global_batch // world.world_size] * world.world_size
         data.resize(sizes, world.rank)
         buffers.world_size = world.world_size
         if evaluator is not None:
             evaluator.world = world
-        return loss_weight(sizes, world.rank)
+        return resume, loss_weight(sizes, world.rank)
 
     return regroup
 

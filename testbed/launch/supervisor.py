@@ -46,13 +46,16 @@ def supervise_world(
     nproc: int,
     log_dir: Path,
     min_workers: int,
+    on_lost: Callable[[int, int], None] | None = None,
     rendezvous_timeout_s: float = 120.0,
     echo_rank0: bool = False,
     monitor_interval_s: float = 0.1,
     env: dict[str, str] | None = None,
 ) -> dict[int, Any]:
     """Run ``entry(*args)`` in ``nproc`` ranks that may leave; return ``{0: worker 0's return value}``.
-    Raises ``RankFailure`` naming the worker whose failure ended the run."""
+    ``on_lost(worker, epoch)`` tells the rest of the job (parameter servers) of a lost worker before
+    membership ``epoch`` is announced. Raises ``RankFailure`` naming the worker whose failure ended
+    the run."""
     log_dir.mkdir(parents=True, exist_ok=True)
     rank_server.start_rank_server(entry.__module__)
     context = multiprocessing.get_context("forkserver")
@@ -74,7 +77,7 @@ def supervise_world(
                 send.close()
                 ranks[rank] = (process, receive)
             echo = _Echo(run_dir / "0" / "stdout.log") if echo_rank0 else None
-            return _watch(ranks, store, min_workers, log_dir, monitor_interval_s, echo)
+            return _watch(ranks, store, min_workers, on_lost, log_dir, monitor_interval_s, echo)
     finally:
         signal.signal(signal.SIGTERM, previous)
         _stop([process for process, _ in ranks.values()])
@@ -83,8 +86,9 @@ def supervise_world(
         del store  # its server thread and port go with it
 
 
-def _watch(ranks: dict[int, tuple[Any, Connection]], store: Any, min_workers: int, log_dir: Path,
-           interval_s: float, echo: _Echo | None) -> dict[int, Any]:
+def _watch(ranks: dict[int, tuple[Any, Connection]], store: Any, min_workers: int,
+           on_lost: Callable[[int, int], None] | None, log_dir: Path, interval_s: float,
+           echo: _Echo | None) -> dict[int, Any]:
     live, results, epoch = set(ranks), {}, 0
     while live:
         time.sleep(interval_s)
@@ -115,6 +119,11 @@ def _watch(ranks: dict[int, tuple[Any, Connection]], store: Any, min_workers: in
                 raise RankFailure(rank, f"{cause}; {len(survivors)} workers left, below elastic.min_workers="
                                         f"{min_workers}", killed=process.exitcode < 0)
             epoch += 1
+            if on_lost is not None:
+                try:
+                    on_lost(rank, epoch)
+                except Exception as exc:
+                    raise RankFailure(rank, f"{cause}; the servers could not drop it: {exc}") from exc
             store.set(epoch_key(epoch), json.dumps({"members": survivors, "lost": [rank], "cause": cause,
                                                     "detected_at": detected_at}))
             log.warning("worker %d lost (%s): membership %d goes on with workers %s", rank, cause, epoch, survivors)

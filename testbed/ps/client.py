@@ -18,6 +18,7 @@ from testbed.latency import link_delay
 from testbed.ps import parameter_server_pb2 as pb
 from testbed.ps import parameter_server_pb2_grpc as pb_grpc
 from testbed.ps.wire import (
+    EPOCH_HEADER,
     LOCAL_SQ_HEADER,
     SERVICE,
     StepNorms,
@@ -66,7 +67,7 @@ class PsClient:
         self.addresses, self.worker, self.timeout_s, self.chunk_bytes = addresses, worker, timeout_s, chunk_bytes
         self.ids = list(range(len(addresses))) if shards is None else list(shards)
         keep_freed_memory()
-        self.metadata = auth_metadata(token)
+        self._auth = self.metadata = auth_metadata(token)
         self.channels = [open_channel(a, tls_ca) for a in addresses]
         self.stubs = [pb_grpc.ParameterServerStub(c) for c in self.channels]
         # The tensor-carrying calls take the fast path: pre-encoded chunks out, zero-copy decode in.
@@ -175,6 +176,16 @@ class PsClient:
     def clock(self, shard: int, advance: bool = False) -> pb.ClockReply:
         request = pb.ClockRequest(worker=self.worker, advance=advance)
         return self._call(shard, "Clock", lambda: self.stubs[shard].Clock(request, timeout=self.timeout_s, metadata=self.metadata))
+
+    def enter_epoch(self, epoch: int) -> None:
+        """From now on every call belongs to membership ``epoch`` (elastic.enabled)."""
+        self.metadata = (*self._auth, (EPOCH_HEADER, str(epoch)))
+
+    def leave(self, worker: int, epoch: int) -> list[pb.ShardInfo]:
+        """Every shard drops ``worker``, lost, from membership ``epoch`` on (the launcher's call)."""
+        request = pb.LeaveRequest(worker=worker, epoch=epoch)
+        return self._each(lambda i: self._call(i, "Leave", lambda: self.stubs[i].Leave(
+            request, timeout=self.timeout_s, metadata=self.metadata)))
 
     def stats(self) -> list[pb.StatsReply]:
         return self._each(lambda i: self._call(i, "Stats", lambda: self.stubs[i].Stats(

@@ -128,6 +128,14 @@ class StatsReply(_message.Message):
     apply_seconds: float
     def __init__(self, version: _Optional[int] = ..., clocks: _Optional[_Iterable[int]] = ..., staleness_histogram: _Optional[_Iterable[int]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., pushes: _Optional[int] = ..., pulls: _Optional[int] = ..., rejected: _Optional[int] = ..., apply_seconds: _Optional[float] = ...) -> None: ...
 
+class LeaveRequest(_message.Message):
+    __slots__ = ("worker", "epoch")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    worker: int
+    epoch: int
+    def __init__(self, worker: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
 class ShutdownRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -64,6 +64,11 @@ class ParameterServerStub:
                 request_serializer=parameter__server__pb2.StatsRequest.SerializeToString,
                 response_deserializer=parameter__server__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/testbed.ps.ParameterServer/Leave',
+                request_serializer=parameter__server__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=parameter__server__pb2.ShardInfo.FromString,
+                _registered_method=True)
         self.Shutdown = channel.unary_unary(
                 '/testbed.ps.ParameterServer/Shutdown',
                 request_serializer=parameter__server__pb2.ShutdownRequest.SerializeToString,
@@ -114,6 +119,15 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Leave(self, request, context):
+        """elastic.enabled: the launcher drops a lost worker from the barrier and the clocks. Pushes and
+        pulls carry their worker's membership epoch (metadata membership-epoch); those of an older one
+        are refused ABORTED ("membership changed"), and the step they belonged to is pushed again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Shutdown(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -152,6 +166,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=parameter__server__pb2.StatsRequest.FromString,
                     response_serializer=parameter__server__pb2.StatsReply.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=parameter__server__pb2.LeaveRequest.FromString,
+                    response_serializer=parameter__server__pb2.ShardInfo.SerializeToString,
             ),
             'Shutdown': grpc.unary_unary_rpc_method_handler(
                     servicer.Shutdown,
@@ -321,6 +340,33 @@ class ParameterServer:
             '/testbed.ps.ParameterServer/Stats',
             parameter__server__pb2.StatsRequest.SerializeToString,
             parameter__server__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/testbed.ps.ParameterServer/Leave',
+            parameter__server__pb2.LeaveRequest.SerializeToString,
+            parameter__server__pb2.ShardInfo.FromString,
             options,
             channel_credentials,
             insecure,

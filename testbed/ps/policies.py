@@ -61,6 +61,9 @@ class Policy(ABC):
     # Every worker pulls the same parameters at a version: one held copy for all (testbed.ps.held_copies).
     shared_pulls: ClassVar[bool] = False
     pull_lead: ClassVar[int] = 0  # pushes a pull's clock may be ahead of its worker's
+    # elastic.enabled: a push or pull of an older membership is refused (a step of the old one is
+    # pushed again); where pushes apply on arrival, an old one is as good as any.
+    epoch_bound: ClassVar[bool] = False
 
     def __init__(self, shard: Shard) -> None:
         self.shard = shard
@@ -71,10 +74,13 @@ class Policy(ABC):
     def check_push(self, worker: int, first: Chunk) -> None:
         """Refuse a push (whose first chunk is ``first``) that the mode does not take now."""
 
-    def push(self, worker: int, first: Chunk, stream: Iterator[Chunk]) -> pb.PushReply:
-        """(Outside the lock) receive ``worker``'s push, already marked in progress: by default the
-        whole stream is validated, then staged and committed (Shard.staged_push)."""
-        return self.shard.staged_push(worker, first, stream)
+    def push(self, worker: int, first: Chunk, stream: Iterator[Chunk], epoch: int = 0) -> pb.PushReply:
+        """(Outside the lock) receive ``worker``'s push of membership ``epoch``, already marked in
+        progress: by default the whole stream is validated, then staged and committed (Shard.staged_push)."""
+        return self.shard.staged_push(worker, first, stream, epoch)
+
+    def leave(self, worker: int) -> None:
+        """(Under the lock) ``worker`` has left the run (elastic.enabled): the shard's members no longer have it."""
 
     @abstractmethod
     def commit(self, worker: int, base: int) -> int:
@@ -113,6 +119,7 @@ class Policy(ABC):
 
 class Sync(Policy):
     shared_pulls = True  # nothing changes until every worker has pushed again
+    epoch_bound = True  # a step's pushes split one global batch among one membership
 
     def __init__(self, shard: Shard) -> None:
         super().__init__(shard)
@@ -145,6 +152,17 @@ class Sync(Policy):
 
     def advance(self, worker: int) -> None:
         raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "sync mode advances clocks only by pushing")
+
+    def leave(self, worker: int) -> None:
+        """The step needs the members' pushes from now on. A step still short of its pushes is
+        dropped: the survivors push it again over the same global batch, split among fewer of
+        them (a completed step, whose update may be running, stands)."""
+        shard = self.shard
+        self.needed = len(shard.members) - shard.backup_workers
+        for w in shard.pending:
+            shard.clocks[w] -= 1
+            shard.staged[w] = []
+        shard.pending.clear()
 
     def update_due(self) -> bool:
         """(Under the lock) a completed step waits for its update."""
@@ -261,8 +279,8 @@ class Async(Policy):
         shard = self.shard
         staleness = shard.version - base
         start = time.perf_counter()
-        for block in range(len(shard.blocks)):
-            shard.step_block(block, [worker], shard.clocks[worker] - 1, shard.workers)
+        for block in range(len(shard.blocks)):  # 1/members: a round of pushes moves as far as a sync step
+            shard.step_block(block, [worker], shard.clocks[worker] - 1, len(shard.members))
         shard.staged[worker] = []
         shard.apply_seconds += time.perf_counter() - start
         shard.version += 1
@@ -279,7 +297,8 @@ class Async(Policy):
 
 class Ssp(Async):
     def may_pull(self, worker: int, clock: int) -> bool:
-        return clock - min(self.shard.clocks) <= self.shard.staleness
+        shard = self.shard
+        return clock - min(shard.clocks[w] for w in shard.members) <= shard.staleness
 
 
 class SumsOnly(Sync):
@@ -294,8 +313,9 @@ class SumsOnly(Sync):
     def hold(self) -> None:
         """Nothing to start: the pushes are summed as they arrive."""
 
-    def push(self, worker: int, first: Chunk, stream: Iterator[Chunk]) -> pb.PushReply:
-        """Folded in chunk by chunk: one chunk per partition."""
+    def push(self, worker: int, first: Chunk, stream: Iterator[Chunk], epoch: int = 0) -> pb.PushReply:
+        """Folded in chunk by chunk: one chunk per partition (elastic runs refuse the summation
+        service, so ``epoch`` is always the first)."""
         shard = self.shard
         params = shard.params
         assert params is not None

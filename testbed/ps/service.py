@@ -14,7 +14,7 @@ from google.protobuf.message import DecodeError
 from testbed.ps import parameter_server_pb2 as pb
 from testbed.ps import parameter_server_pb2_grpc as pb_grpc
 from testbed.ps.shard import Shard
-from testbed.ps.validation import Refused, local_sq_of
+from testbed.ps.validation import Refused, epoch_of, local_sq_of
 from testbed.ps.wire import SERVICE, TOKEN_HEADER, Chunk, decode_chunk, passthrough
 
 # The longest a streamed request (InitParams, Push) may take, whatever the client's deadline.
@@ -71,7 +71,8 @@ class Servicer(pb_grpc.ParameterServerServicer):
 
     def Push(self, request_iterator, context):  # noqa: N802
         return self._bounded(context, request_iterator,
-                             lambda requests: self.shard.push(requests, local_sq_of(context.invocation_metadata())))
+                             lambda requests: self.shard.push(requests, local_sq_of(context.invocation_metadata()),
+                                                              epoch_of(context.invocation_metadata())))
 
     def Pull(self, request, context):  # noqa: N802
         try:
@@ -83,6 +84,9 @@ class Servicer(pb_grpc.ParameterServerServicer):
 
     def Clock(self, request, context):  # noqa: N802
         return self._guard(context, lambda: self.shard.clock(_parsed(request)))
+
+    def Leave(self, request, context):  # noqa: N802
+        return self._guard(context, lambda: self.shard.leave(_parsed(request)))
 
     def Stats(self, request, context):  # noqa: N802
         self._guard(context, lambda: _parsed(request))
@@ -131,6 +135,7 @@ def add_servicer(
         "Push": grpc.stream_unary_rpc_method_handler(servicer.Push, decode, pb.PushReply.SerializeToString),
         "Pull": grpc.unary_stream_rpc_method_handler(servicer.Pull, _lenient(pb.PullRequest), encode),
         "Clock": std(servicer.Clock, _lenient(pb.ClockRequest), pb.ClockReply.SerializeToString),
+        "Leave": std(servicer.Leave, _lenient(pb.LeaveRequest), pb.ShardInfo.SerializeToString),
         "Stats": std(servicer.Stats, _lenient(pb.StatsRequest), pb.StatsReply.SerializeToString),
         "Shutdown": std(servicer.Shutdown, _lenient(pb.ShutdownRequest), pb.ShutdownReply.SerializeToString),
     }

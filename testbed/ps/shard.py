@@ -26,7 +26,7 @@ from testbed.optim import build_optimizer
 from testbed.ps import parameter_server_pb2 as pb
 from testbed.ps.held_copies import HeldCopies
 from testbed.ps.policies import policy_for
-from testbed.ps.validation import Refused, check_worker, receive
+from testbed.ps.validation import Refused, check_worker, epoch_of, membership_changed, receive
 from testbed.ps.wire import FROM_WIRE, TO_WIRE, Chunk, StepNorms, byte_view, chunk_ranges, copy_in, encoded_chunks
 
 # An optimizer per block of partitions of this size: small enough that a pull's first chunks wait
@@ -65,6 +65,8 @@ class Shard:
         # Each worker's staged push, one tensor per partition: views of the received chunks.
         self.staged: list[list[torch.Tensor]] = [[] for _ in range(workers)]
         self.pushing: set[int] = set()  # workers with a push stream in progress
+        # elastic.enabled (testbed.elastic): the workers still in the run, and their membership epoch.
+        self.members, self.epoch = set(range(workers)), 0
         # stats.noise_scale: each worker's own squared gradient norm, as its latest push carried it, and
         # what sync updates measured (by the version they made), for the pulls' trailers.
         self.local_sq: list[float | None] = [None] * workers
@@ -180,8 +182,9 @@ class Shard:
 
     # --- push ---------------------------------------------------------------------------------
 
-    def push(self, stream: Iterator[Chunk], local_sq: float | None = None) -> pb.PushReply:
-        """``local_sq``: the worker's own squared gradient norm (stats.noise_scale), or None."""
+    def push(self, stream: Iterator[Chunk], local_sq: float | None = None, epoch: int = 0) -> pb.PushReply:
+        """``local_sq``: the worker's own squared gradient norm (stats.noise_scale), or None;
+        ``epoch``: the membership the push belongs to (elastic.enabled)."""
         first = next(stream, None)
         if first is None:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "Push: empty stream")
@@ -191,6 +194,7 @@ class Shard:
             check_worker(worker, self.workers)
             if worker in self.pushing:
                 raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"worker {worker} already has a push in progress")
+            self._check_member(worker, epoch, "push")
             self.policy.check_push(worker, first)
             if first.step > self.version:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"push based on version {first.step} > {self.version}")
@@ -200,9 +204,16 @@ class Shard:
             self.check_updating()
             self.pushing.add(worker)
             self.local_sq[worker] = local_sq
-        return self.policy.push(worker, first, stream)
+        return self.policy.push(worker, first, stream, epoch)
 
-    def staged_push(self, worker: int, first: Chunk, stream: Iterator[Chunk]) -> pb.PushReply:
+    def _check_member(self, worker: int, epoch: int, what: str) -> None:
+        """(Under the lock) refuse a lost worker, and a call of an older membership."""
+        if worker not in self.members:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"worker {worker} has left the run")
+        if epoch != self.epoch and self.policy.epoch_bound:
+            raise membership_changed(self.shard, epoch, self.epoch, what)
+
+    def staged_push(self, worker: int, first: Chunk, stream: Iterator[Chunk], epoch: int = 0) -> pb.PushReply:
         """The rest of ``worker``'s push received outside the lock and staged only once the whole
         stream is valid, then committed."""
         try:
@@ -215,7 +226,7 @@ class Shard:
                     same=("worker", "step"), changed="worker and step must not change mid-stream",
                     take=received.append)
             staged = self._partitioned(received) if self.codecs is None else self._decoded(worker, received)
-            return self._commit(worker, int(first.step), staged)
+            return self._commit(worker, int(first.step), staged, epoch)
         finally:
             with self.cond:
                 self.pushing.discard(worker)
@@ -245,9 +256,10 @@ class Shard:
         codec.decode(payload, dense)
         return [dense[lo:hi] for lo, hi in self.parts]
 
-    def _commit(self, worker: int, base: int, received: list[torch.Tensor]) -> pb.PushReply:
+    def _commit(self, worker: int, base: int, received: list[torch.Tensor], epoch: int) -> pb.PushReply:
         assert self.params is not None
         with self.cond:
+            self._check_member(worker, epoch, "push")  # a membership change while it streamed
             self.staged[worker] = received
             self.stats["pushes"] += 1
             self.stats["bytes_in"] += (self.codecs[worker].payload_bytes() if self.codecs is not None
@@ -316,22 +328,27 @@ class Shard:
 
     def pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         worker, clock = request.worker, request.clock
+        epoch = epoch_of(context.invocation_metadata())
         with self.cond:
             params = self._require_params()
             check_worker(worker, self.workers)
+            self._check_member(worker, epoch, "pull")
             if request.shard != self.shard:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"Pull: shard {request.shard}, this is shard {self.shard}")
             self.policy.check_pull(worker, clock)
             start = time.perf_counter()
             remaining = context.time_remaining()
-            if not self.cond.wait_for(lambda: self.policy.may_pull(worker, clock) or bool(self.refusal), timeout=remaining):
+            if not self.cond.wait_for(lambda: self.policy.may_pull(worker, clock) or bool(self.refusal)
+                                      or self.epoch != epoch, timeout=remaining):
                 raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED,
                               f"Pull: worker {worker} at clock {clock} still blocked; clocks {self.clocks}")
             self.check_updating()
+            if not self.policy.may_pull(worker, clock):  # woken by a new membership: the step is pushed again
+                raise membership_changed(self.shard, epoch, self.epoch, "pull")
             blocked = time.perf_counter() - start
             version = self.policy.pull_version(clock)
             self.stats["pulls"] += 1
-            slowest = min(self.clocks)
+            slowest = min(self.clocks[w] for w in self.members)
             if self.held is not None and self.held.holds(worker) and not request.full:
                 payload = self.held.encoded(worker, version, self._settled())
                 self.stats["bytes_out"] += payload.numel() * payload.element_size()
@@ -379,6 +396,22 @@ class Shard:
         """A pull's TensorChunk messages, which add_servicer's ``encode`` turns into bytes: here
         already encoded (testbed.ps.wire); testbed.bench.wire overrides it to compare codecs."""
         return encoded_chunks(source, self.shard, 0, version, self.chunk_bytes, byte_view(source))
+
+    # --- membership ------------------------------------------------------------------------------
+
+    def leave(self, request: pb.LeaveRequest) -> pb.ShardInfo:
+        """Drop a lost worker (elastic.enabled): from the barrier and clocks of membership ``epoch``
+        on; the step in progress, if any, is pushed again by the survivors (the policy's ``leave``)."""
+        with self.cond:
+            check_worker(request.worker, self.workers)
+            if request.epoch > self.epoch:
+                self.epoch = request.epoch
+                self.members.discard(request.worker)
+                if not self.members:
+                    raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"shard {self.shard}: no worker left")
+                self.policy.leave(request.worker)
+                self.cond.notify_all()
+        return self.info()
 
     # --- clocks, stats --------------------------------------------------------------------------
 

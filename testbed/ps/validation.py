@@ -11,7 +11,7 @@ import grpc
 import torch
 
 from testbed.ps import parameter_server_pb2 as pb
-from testbed.ps.wire import FROM_WIRE, LOCAL_SQ_HEADER, Chunk
+from testbed.ps.wire import EPOCH_HEADER, FROM_WIRE, LOCAL_SQ_HEADER, Chunk
 
 
 class Refused(Exception):
@@ -25,6 +25,20 @@ class Refused(Exception):
 def check_worker(worker: int, workers: int) -> None:
     if worker >= workers:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"worker {worker} out of range [0, {workers})")
+
+
+def epoch_of(metadata: Any) -> int:
+    """The membership epoch a call belongs to (elastic.enabled), from its metadata; 0 without one."""
+    value = dict(metadata or ()).get(EPOCH_HEADER, "0")
+    if not value.isdigit():
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{EPOCH_HEADER} {value!r} is not an epoch")
+    return int(value)
+
+
+def membership_changed(shard: int, epoch: int, now: int, what: str) -> Refused:
+    """A call of an older membership: its step is pushed again by the new one (testbed.elastic)."""
+    return Refused(grpc.StatusCode.ABORTED, f"shard {shard}: membership changed ({what} of epoch {epoch}, the shard "
+                                            f"is at epoch {now}): push the step again")
 
 
 def local_sq_of(metadata: Any) -> float | None:

@@ -78,6 +78,8 @@ def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
 # the gradients, as metadata: a push carries its worker's own squared gradient norm, and a sync
 # pull's trailer what the shard measured of the update it streamed.
 LOCAL_SQ_HEADER = "local-grad-sq"
+# elastic.enabled: the membership epoch a push or pull belongs to (testbed.elastic); absent: 0.
+EPOCH_HEADER = "membership-epoch"
 STEP_NORMS_HEADER = "step-grad-sq"
 
 

@@ -54,6 +54,11 @@ class Synchronizer(ABC):
     # or reports its own t_wait.
     waits_for_peers: ClassVar[bool] = True
     steps_optimizer: ClassVar[bool] = False
+    # elastic.enabled (testbed.elastic): the replicas hold the model, so a new membership restores
+    # the last commit, and a survivor may block in a collective, which a new membership wakes by
+    # shutting its connections. False for parameter servers: the servers hold the model, and a
+    # worker blocks in calls that the servers end.
+    replicas_hold_state: ClassVar[bool] = True
 
     def __init__(self, cfg: Any, compress: Any = None, seed: int = 0) -> None:
         """``cfg``: the sync config, kept as its schema's dataclass (a DictConfig or a mapping is
@@ -68,6 +73,13 @@ class Synchronizer(ABC):
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> None:
         self.model, self.optimizer, self.world = model, optimizer, world
         self.module: nn.Module = model  # what the trainer runs forward through (a wrapper may replace it)
+
+    def regroup(self, world: World, epoch: int) -> int | None:
+        """Go on in membership ``epoch``'s process group (elastic.enabled): set up again over it.
+        Returns the step to go on from, or None: the one after the commit the survivors restore."""
+        self.close()
+        self.setup(self.model, self.optimizer, world)
+        return None
 
     def takes_part(self, step: int) -> bool:
         """Whether this rank computes a gradient for ``step``. False where the step's update is

@@ -75,6 +75,7 @@ class PsSyncConfig(SyncBase):
 class ParameterServerSync(Synchronizer):
     steps_optimizer = True
     waits_for_peers = False  # the shards report how long they held each pull back (t_wait)
+    replicas_hold_state = False  # the servers hold the model: a new membership goes on where they are
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> None:
         from testbed.ps.client import PsClient  # gRPC loads on the ranks that use it
@@ -125,6 +126,25 @@ class ParameterServerSync(Synchronizer):
             self.decoders = [build_codec(self.compress, p, [p.shape], i, world.rank, self.seed) for i, p in enumerate(self.param_shards)]
         self.versions = self.client.pull(self.param_shards, self.clock, full=True).versions
         self._params_up()
+
+    def regroup(self, world: World, epoch: int) -> int | None:
+        """Go on in membership ``epoch`` (elastic.enabled) from where the servers are: the launcher
+        has dropped the lost worker from them, and a step short of its pushes was dropped with it
+        (testbed.ps.policies), so this worker's clock (its pushes the servers count) is the step to
+        go on from. A lost worker whose push reached some shards' completed step and not others'
+        leaves the shards at different steps, which no step can go on from."""
+        from testbed.elastic.membership import MembershipLost
+
+        self.world, self.needed = world, world.world_size - self.backup
+        self.client.enter_epoch(epoch)
+        clocks = [int(self.client.clock(i).clocks[self.client.worker]) for i in range(len(self.param_shards))]
+        if len(set(clocks)) != 1:
+            raise MembershipLost(f"worker {self.client.worker}: the shards count {clocks} pushes of it after the loss: "
+                                 "the lost worker's last step reached some shards' update and not others'")
+        self.clock = clocks[0]
+        self.versions = self.client.pull(self.param_shards, self.clock, full=True).versions
+        self._params_up()
+        return self.clock
 
     def _params_up(self) -> None:
         """The pulled parameters onto the device (staging; nothing to do on CPU)."""
@@ -358,6 +378,8 @@ def _check(cfg: Any) -> None:
         require(not absent, f"{', '.join(absent)}: no such file")
     codec = cfg.compress.name
     _check_backup(cfg)
+    require(not (cfg.elastic.enabled and ps.backup_workers), "elastic.enabled with sync.backup_workers: a step's "
+            "workers are chosen by tickets among a fixed membership; use one of them")
     require(not (cfg.compress.get("pull") and cfg.eval.every),
             f"eval.every={cfg.eval.every} with sync=ps and compress.pull: workers hold a decoded approximation of the "
             "servers' parameters, and pulling the servers' own for an evaluation would break the copy the servers keep "
@@ -411,6 +433,20 @@ def _unmeasured(cfg: Any) -> str | None:
     return None
 
 
+def _leave(plain: dict[str, Any], env: dict[str, str], worker: int, epoch: int) -> None:
+    """Servers.leave: every shard drops ``worker``, lost (elastic.enabled)."""
+    from testbed.ps.client import PsClient
+    from testbed.ps.wire import TOKEN_ENV, tls_of
+
+    sync = plain["sync"]
+    client = PsClient(list(sync["addresses"]), env[TOKEN_ENV], 0, float(plain["timeouts"]["collective_s"]),
+                      int(sync["chunk_kb"]) * 1024, tls_of(sync)[2])
+    try:
+        client.leave(worker, epoch)
+    finally:
+        client.close()
+
+
 @contextmanager
 def _start_servers(
     plain: dict[str, Any], world_size: int, log_dir: Path, hosts: list[tuple[str, str]] | None,
@@ -440,6 +476,7 @@ SPEC = SyncSpec(
     servers=Servers(
         count=lambda cfg: 0 if cfg.sync.addresses else int(cfg.sync.servers),
         start=_start_servers,
+        leave=_leave,
         apart="start the servers with python -m testbed.ps.server and pass sync.addresses=[host:port,...] "
               "(and TESTBED_PS_TOKEN on servers and workers; with a codec, the servers' --compress and --seed)",
     ),
@@ -447,5 +484,5 @@ SPEC = SyncSpec(
     exclusive={"backup_workers": "an update that goes on without the late workers' gradients needs a party that "
                                  "applies it: a collective waits for every rank's, so backup workers are a parameter-"
                                  "server policy"},
-    inelastic="the parameter servers do not drop a lost worker from their barrier and clocks",
+    inelastic=None,
 )
