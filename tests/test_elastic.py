@@ -20,9 +20,9 @@ ELASTIC = ["world_size=4", "data.batch_size=12", "elastic.enabled=true", "elasti
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """ring and allreduce losing worker 2 of 4 (ring at step 7 with commits every 3 steps, so that a
-    completed step is rolled back; allreduce at step 0, before any commit), and one process on the
-    whole global batch for reference."""
+    """ring, allreduce and ps losing worker 2 of 4 (ring at step 7 with commits every 3 steps, so
+    that a completed step is rolled back; allreduce at step 0, before any commit; ps in sync mode on
+    two shards at step 5, and in SSP mode), and one process on the whole global batch for reference."""
     root = tmp_path_factory.mktemp("elastic")
     proc = run_cli([*ELASTIC, *QUICK, "sync=ring", "elastic.commit_every=3", "fault.step=7",
                     f"hydra.run.dir={root / 'ring'}"], cwd=root)
@@ -30,12 +30,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     proc = run_cli([*ELASTIC, *QUICK, "sync=allreduce", "fault.step=0", f"hydra.run.dir={root / 'allreduce'}"],
                    cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_cli([*ELASTIC, *QUICK, "sync=ps", "sync.servers=2", "fault.step=5", f"hydra.run.dir={root / 'ps'}"],
+                   cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_cli([*ELASTIC, *QUICK, "sync=ps", "sync.mode=ssp", "fault.step=5", f"hydra.run.dir={root / 'ssp'}"],
+                   cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     proc = run_cli(["world_size=1", "data.batch_size=48", *QUICK, f"hydra.run.dir={root / 'one'}"], cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return {"ring": root / "ring", "allreduce": root / "allreduce", "one": root / "one"}
+    return {name: root / name for name in ("ring", "allreduce", "ps", "ssp", "one")}
 
 
-@pytest.mark.parametrize("sync", ["ring", "allreduce"])
+@pytest.mark.parametrize("sync", ["ring", "allreduce", "ps"])
 def test_a_lost_worker_leaves_and_the_run_ends_with_the_uninterrupted_model(runs: dict[str, Path], sync: str) -> None:
     job = runs[sync]
     summary = read_json(job / "summary.json")
@@ -44,9 +50,10 @@ def test_a_lost_worker_leaves_and_the_run_ends_with_the_uninterrupted_model(runs
     start, change = summary["membership"]
     assert start == {"epoch": 0, "step": 0, "world_size": 4, "members": [0, 1, 2, 3], "cause": "start"}
     assert change["members"] == [0, 1, 3] and change["lost"] == [2] and "SIGKILL" in change["cause"]
-    # ring: commits after steps 2 and 5; killed at step 7, so step 6, completed, is done again.
-    resumed, rolled_back = (6, 1) if sync == "ring" else (0, 0)
-    assert (change["step"], change["interrupted_step"], change["rolled_back_steps"]) == (resumed, 7 if sync == "ring" else 0, rolled_back)
+    # ring: commits after steps 2 and 5; killed at step 7, so step 6, completed, is done again. ps:
+    # the servers dropped step 5, short of worker 2's push, and the survivors pushed it again.
+    killed, resumed, rolled_back = {"ring": (7, 6, 1), "allreduce": (0, 0, 0), "ps": (5, 5, 0)}[sync]
+    assert (change["interrupted_step"], change["step"], change["rolled_back_steps"]) == (killed, resumed, rolled_back)
     # Woken by the new membership, not by the 60 s collective timeout.
     assert 0 <= change["regroup_s"] < 10 and change["regroup_s"] <= change["downtime_s"] < 15
     for worker in (0, 1, 3):  # each step once, the redone one with the survivors' share of the batch
@@ -54,8 +61,20 @@ def test_a_lost_worker_leaves_and_the_run_ends_with_the_uninterrupted_model(runs
         assert [r["step"] for r in records] == list(range(16))
         assert {r["samples"] for r in records if r["step"] >= resumed} == {16}
     lost = read_jsonl(job / "metrics" / "rank2.jsonl")
-    assert [r["step"] for r in lost] == list(range(7 if sync == "ring" else 0))
+    assert [r["step"] for r in lost] == list(range(killed))
     assert_nothing_left(job)
+
+
+def test_ssp_workers_go_on_when_the_servers_drop_a_lost_one(runs: dict[str, Path]) -> None:
+    """No step waits for the lost worker: the survivors regroup at their next step, where they are."""
+    summary = read_json(runs["ssp"] / "summary.json")
+    assert summary["status"] == "ok", summary.get("error")
+    change = summary["membership"][1]
+    assert change["members"] == [0, 1, 3] and change["interrupted_step"] is None and change["rolled_back_steps"] == 0
+    assert change["step"] >= 5 and change["regroup_s"] < 10
+    for worker in (0, 1, 3):
+        assert [r["step"] for r in read_jsonl(runs["ssp"] / "metrics" / f"rank{worker}.jsonl")] == list(range(16))
+    assert_nothing_left(runs["ssp"])
 
 
 def test_below_min_workers_the_run_fails_and_says_why(tmp_path: Path) -> None:
@@ -74,7 +93,8 @@ def test_below_min_workers_the_run_fails_and_says_why(tmp_path: Path) -> None:
     [
         (["elastic.min_workers=5"], "elastic.min_workers=5: must be in [1, world_size=4]"),
         (["data.batch_size=10", "elastic.min_workers=3"], "does not divide among 3 workers"),
-        (["sync=ps"], "elastic.enabled with sync=ps: the parameter servers do not drop a lost worker"),
+        (["sync=byteps"], "elastic.enabled with sync=byteps: its summation service"),
+        (["sync=ps", "sync.backup_workers=1"], "elastic.enabled with sync.backup_workers"),
         (["sync=ddp"], "elastic.enabled with sync=ddp: DDP's reducer"),
         (["fault.rank=0"], "elastic.enabled with fault.rank=0"),
         (["launcher.max_restarts=1"], "elastic.enabled with launcher.max_restarts"),

@@ -161,6 +161,38 @@ def test_clocks_advance_and_shutdown_stops_the_shard(tmp_path: Path) -> None:
         worker.close()
 
 
+def test_a_lost_worker_leaves_and_the_step_short_of_its_push_is_pushed_again(tmp_path: Path) -> None:
+    """elastic.enabled: Leave drops the lost worker from the barrier; the step it left short is
+    dropped (its pushes' clocks undone, a pull waiting for it refused ABORTED), and the survivors
+    push it again in the new membership, whose update averages their two pushes alone."""
+    initial = torch.zeros(NUMEL)
+    with servers(tmp_path, "sync", workers=3) as ps:
+        workers = [client(ps, w) for w in range(3)]
+        workers[0].register(wait_s=20)
+        workers[0].init_params([initial.clone()])
+        for w in (0, 1):
+            workers[w].push([torch.ones(NUMEL)], [0])
+        pulled = torch.empty(NUMEL)
+        waiting = futures.ThreadPoolExecutor(1).submit(workers[0].pull, [pulled], 1)
+        time.sleep(0.3)  # the pull waits for worker 2's push
+        assert workers[2].leave(2, 1)[0].version == 0
+        with pytest.raises(PsError, match="Pull: ABORTED: shard 0: membership changed"):
+            waiting.result(timeout=10)
+        assert list(workers[0].clock(0).clocks)[:2] == [0, 0]  # the dropped step's pushes are undone
+        with pytest.raises(PsError, match="Push: ABORTED: .*membership changed"):  # the old membership's
+            workers[1].push([torch.ones(NUMEL)], [0])
+        for w in (0, 1):
+            workers[w].enter_epoch(1)
+        with pytest.raises(PsError, match="FAILED_PRECONDITION: worker 2 has left the run"):
+            workers[2].push([torch.ones(NUMEL)], [0])
+        workers[0].push([torch.full((NUMEL,), 2.0)], [0])
+        workers[1].push([torch.full((NUMEL,), 4.0)], [0])
+        assert workers[0].pull([pulled], 1).versions == [1]
+        assert torch.equal(pulled, initial - LR * 3.0)  # the mean of the survivors' pushes
+        for worker in workers:
+            worker.close()
+
+
 def test_errors_name_the_shard_and_the_status(tmp_path: Path) -> None:
     with servers(tmp_path, "sync", workers=1) as ps:
         address = ps.addresses[0]

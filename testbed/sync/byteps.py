@@ -238,5 +238,6 @@ SPEC = SyncSpec(
         machines=server_machines,
     ),
     communicates_alone=True, no_codec="sync=byteps carries no codec yet (BytePS's compression plugins are not built)",
-    inelastic="the parameter servers do not drop a lost worker from their barrier and clocks",
+    inelastic="its summation service folds each push in as it arrives, so a step short of a lost worker's push "
+              "cannot be dropped and pushed again",
 )
