@@ -61,6 +61,7 @@ class Trainer:
         evaluator: Evaluator | None = None,
         noise: GradientNoise | None = None,
         balancer: Balancer | None = None,
+        clock_origin: float | None = None,
         membership: Membership | None = None,
         on_regroup: Callable[[World, int], tuple[int | None, float]] | None = None,
     ) -> None:
@@ -89,6 +90,7 @@ class Trainer:
         self.membership, self.on_regroup = membership, on_regroup
         self.worker = world.rank  # this rank's name in the records, whatever its rank in later memberships
         self.began = time.perf_counter()  # the run's clock (MLPerf's: it never stops, evaluation included)
+        self.clock_origin = clock_origin  # when the run's clock started, in an earlier attempt (time.time())
 
     def run(self) -> list[StepRecord]:
         world, sync = self.world, self.sync
@@ -98,7 +100,8 @@ class Trainer:
         last_compute: float | None = None
         # Each micro-batch's mean counts 1/k: the window's gradient is that of its whole batch.
         scale = self.loss_weight / k
-        self.began = began = time.perf_counter()
+        earlier = time.time() - self.clock_origin if self.clock_origin is not None else 0.0
+        self.began = began = time.perf_counter() - earlier
         sync.module.train()
         step = self.start_step
         while step < self.steps:
@@ -275,7 +278,7 @@ class Trainer:
 
     def _progress(self, step: int, record: StepRecord, elapsed: float) -> None:
         done = step + 1
-        eta = elapsed / (done - self.start_step) * (self.steps - done)
+        eta = record.t_step * (self.steps - done)
         bar = "#" * (20 * done // self.steps)
         log.info(
             "[%-20s] step %d/%d  loss %s  step %.1f ms  sync %.1f ms  elapsed %.1fs  eta %.1fs",

@@ -17,7 +17,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from testbed import checkpoint, config
 from testbed.launch.existing import in_submitit_job, surrounding_world
-from testbed.launch.rank import ATTEMPT_ENV, rank_main
+from testbed.launch.rank import ATTEMPT_ENV, CLOCK_ORIGIN_ENV, rank_main
 from testbed.launch.spawn import RankFailure, spawn_world
 from testbed.launch.supervisor import supervise_world
 from testbed.netem import EmulatedNetwork, machines_of
@@ -99,12 +99,15 @@ def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path, identity: dict
     failures: list[dict[str, Any]] = []
     resume = Path(cfg.resume) if cfg.resume else None
     max_restarts = int(cfg.launcher.get("max_restarts", 0))  # launcher configs from elsewhere may lack it
+    origin: float | None = None  # when the first attempt's first step began: the run's clock, through restarts
     while True:
-        summary = _attempt(cfg, plain, job_dir, identity, resume, len(failures))
+        summary = _attempt(cfg, plain, job_dir, identity, resume, len(failures), origin)
         kind = (summary.get("error") or {}).get("kind")
         if summary["status"] == "ok" or kind in NOT_RESTARTED or len(failures) >= max_restarts:
             break
         earlier = set_aside(job_dir)
+        if origin is None and earlier is not None:
+            origin = (_first_step(earlier) or (None, None))[0]
         resume = _restart_point(job_dir, plain) or resume
         failures.append({"attempt": len(failures), "dir": str(earlier), "error": summary["error"],
                          "resumed_from_step": checkpoint.checkpoint_step(checkpoint.latest(resume)) if resume else None})
@@ -112,7 +115,7 @@ def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path, identity: dict
                     kind, len(failures), max_restarts, f"{resume}'s checkpoint" if resume else "the start")
     if max_restarts:
         for failure, nxt in zip(failures, [*failures[1:], None]):
-            failure["restart_s"] = _restart_s(failure, Path(nxt["dir"]) if nxt else job_dir)
+            failure.update(_restart_s(failure, Path(nxt["dir"]) if nxt else job_dir))
         summary["restarts"], summary["attempts"] = len(failures), failures
         write_summary(job_dir, summary)
     return summary
@@ -125,24 +128,36 @@ def _restart_point(job_dir: Path, plain: dict[str, Any]) -> Path | None:
     return next((earlier for earlier in reversed(attempts) if checkpoint.continuable(earlier, plain["steps"])), None)
 
 
-def _restart_s(failure: dict[str, Any], next_dir: Path) -> float | None:
-    """Seconds from the launcher learning of the failure to the first step the next attempt began."""
+def _restart_s(failure: dict[str, Any], next_dir: Path) -> dict[str, float | None]:
+    """Seconds from the launcher learning of the failure to the first step the next attempt began
+    (``restart_s``) and to the first it completed (``downtime_s``, as elastic runs count it)."""
     detected = failure["error"].get("detected_at")
-    starts = []
-    for log_path in (next_dir / "metrics").glob("rank*.jsonl"):
-        resumed = failure["resumed_from_step"]
-        records = [r for r in read_step_log(log_path) if resumed is None or r["step"] > resumed]
+    first = _first_step(next_dir, failure["resumed_from_step"])
+    if first is None or not detected:
+        return {"restart_s": None, "downtime_s": None}
+    return {"restart_s": round(first[0] - detected, 3), "downtime_s": round(first[1] - detected, 3)}
+
+
+def _first_step(job_dir: Path, after: int | None = None) -> tuple[float, float] | None:
+    """When the first step after ``after`` (None: the first of all) of ``job_dir``'s ranks began
+    and ended, by the wall clock: the earliest rank's."""
+    spans = []
+    for log_path in (job_dir / "metrics").glob("rank*.jsonl"):
+        records = [r for r in read_step_log(log_path) if after is None or r["step"] > after]
         if records:
-            first = records[0]
-            starts.append(first["t_sync_enter"] - sum(first[k] for k in ("t_data", "t_injected", "t_forward", "t_backward")))
-    return round(min(starts) - detected, 3) if starts and detected else None
+            r = records[0]
+            begun = r["t_sync_enter"] - sum(r[k] for k in ("t_data", "t_injected", "t_forward", "t_backward"))
+            spans.append((begun, r["t_sync_exit"] + r["t_optimizer"]))
+    return min(spans) if spans else None
 
 
 def _attempt(
-    cfg: DictConfig, plain: dict[str, Any], job_dir: Path, identity: dict[str, Any], resume: Path | None, attempt: int
+    cfg: DictConfig, plain: dict[str, Any], job_dir: Path, identity: dict[str, Any], resume: Path | None, attempt: int,
+    origin: float | None = None,
 ) -> dict[str, Any]:
     """Build the emulated network and start the parameter servers when the run needs them, then the
-    ranks; take all of it down again, whatever happens."""
+    ranks; take all of it down again, whatever happens. ``origin``: when the run's clock started, in
+    an earlier attempt (a restarted run's time to target counts the failure and the restart)."""
     plain["resume"] = str(resume) if resume else None
     log.info("spawning %d rank(s): sync=%s model=%s data=%s -> %s", cfg.world_size, cfg.sync.name,
              cfg.model.name, cfg.data.name, job_dir)
@@ -150,6 +165,8 @@ def _attempt(
     servers = spec.local_servers(cfg)
     env: dict[str, str] = dict(DEBUG_ENV) if cfg.debug else {}  # C++ logging reads its level at import
     env[ATTEMPT_ENV] = str(attempt)
+    if origin is not None:
+        env[CLOCK_ORIGIN_ENV] = repr(origin)
     try:
         check_free_ports(listeners(cfg))  # a sweep's later job may find the range used up since its start
         with ExitStack() as stack:  # exits in reverse: servers stop before their network goes

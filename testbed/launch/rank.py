@@ -57,6 +57,9 @@ from testbed.world import World, close_world, env_rank_layout, init_world
 log = logging.getLogger("testbed")
 # Which attempt of its job a spawned world is (0, then 1, 2, ... after restarts: testbed.launch.job).
 ATTEMPT_ENV = "TESTBED_ATTEMPT"
+# A restarted attempt's: when the first attempt's first step began (time.time()), where the run's
+# clock started (MLPerf's clock runs through the failure and the restart).
+CLOCK_ORIGIN_ENV = "TESTBED_CLOCK_ORIGIN"
 
 
 def restarted() -> bool:
@@ -137,6 +140,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
             noise=noise_probe(cfg, model, sizes, world.rank, sync),
             balancer=(Balancer(cfg.balance, sizes, world.rank, world.device, resumed, data.resize)
                       if cfg.balance.name != "none" else None),
+            clock_origin=float(os.environ[CLOCK_ORIGIN_ENV]) if CLOCK_ORIGIN_ENV in os.environ else None,
             membership=membership,
             on_regroup=(_regrouper(membership, sync, data, buffers, evaluator, sum(sizes))
                         if membership else None),
