@@ -48,10 +48,13 @@ def push(shard: Shard, worker: int, grad: float, base: int) -> pb.PushReply:
 
 
 class Context:
-    """The two ServicerContext methods Shard.pull uses."""
+    """The three ServicerContext methods Shard.pull uses (no membership epoch in the call's metadata)."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s, self.metadata = timeout_s, {}
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
 
     def time_remaining(self) -> float:
         return self.timeout_s
