@@ -7,7 +7,8 @@ loss against wall-clock time, held-out accuracy against wall-clock and samples a
 held-out target with its interval (analysis.accuracy), steps to target against the global batch
 with the critical batch fitted and B_simple's prediction (analysis.critical_batch), the per-step
 time breakdown, and, where runs differ in codec, each codec against none under each synchronizer,
-and on two-level networks what crossed each machine's uplink. Given the JSON records of
+and on two-level networks what crossed each machine's uplink; where a worker was lost, elastic
+membership against a restart (analysis.elastic). Given the JSON records of
 ``python -m testbed.bench`` (and ``testbed.bench.ps``), it draws the collective benchmark (figure 2)
 with the alpha-beta fits the simulator uses.
 """
@@ -25,6 +26,7 @@ from analysis import (
     compression,
     critical_batch,
     dashboard,
+    elastic,
     figures,
     published,
     topology,
@@ -99,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     written += figs
     sections.append(section)
     figs, section = topology.analyse(summaries, out)
+    written += figs
+    sections.append(section)
+    figs, section = elastic.analyse(summaries, out)
     written += figs
     sections.append(section)
     if args.calibration:

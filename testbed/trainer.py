@@ -88,7 +88,8 @@ class Trainer:
         # elastic.enabled: the run's membership (testbed.elastic), and what rebuilds the rank's parts
         # for a new one: (the synchronizer's step to go on from, or None; the rank's loss weight)
         self.membership, self.on_regroup = membership, on_regroup
-        self.worker = world.rank  # this rank's name in the records, whatever its rank in later memberships
+        # This rank's name in the records (its rank at the start), whatever its rank in later memberships.
+        self.worker = membership.worker if membership is not None else world.rank
         self.began = time.perf_counter()  # the run's clock (MLPerf's: it never stops, evaluation included)
         self.clock_origin = clock_origin  # when the run's clock started, in an earlier attempt (time.time())
 
@@ -105,7 +106,7 @@ class Trainer:
         sync.module.train()
         step = self.start_step
         while step < self.steps:
-            if self.membership is not None and self.membership.announced():  # a worker lost between steps
+            if self.membership is not None and self.membership.due(step):  # lost or joined between steps
                 step = self._regroup(step, None, records)
                 world, scale = self.world, self.loss_weight / k
                 continue
@@ -196,8 +197,9 @@ class Trainer:
         return records
 
     def _regroup(self, step: int, exc: BaseException | None, records: list[StepRecord]) -> int:
-        """A worker was lost (``step`` failed on it, or it was announced before ``step``): go on in the
-        next membership; the records of the steps it does again are dropped."""
+        """A worker was lost (``step`` failed on it, or it was announced before ``step``), or newcomers
+        join before ``step``: go on in the next membership; the records of the steps it does again
+        are dropped."""
         assert self.membership is not None and self.on_regroup is not None
         on_regroup = self.on_regroup
 

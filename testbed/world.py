@@ -69,15 +69,19 @@ def init_world(device_kind: str, backend: str, timeout_s: float, debug: bool = F
     os.environ.setdefault("RANK", str(rank))
     os.environ.setdefault("WORLD_SIZE", str(world_size))
     os.environ.setdefault("LOCAL_RANK", str(local_rank))
-    if device_kind == "cuda":
-        # Under gloo more local ranks than GPUs share them round-robin (config refuses NCCL
-        # without one GPU per local rank).
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    device = rank_device(device_kind, local_rank)
     store = _store(rank, world_size, timedelta(seconds=timeout_s))  # kept: the stall check posts to it
     return form_world(store, "default_pg", rank, world_size, device, backend, timeout_s, local_rank, local_world)
+
+
+def rank_device(device_kind: str, local_rank: int) -> torch.device:
+    """The rank's device, made current. Under gloo more local ranks than GPUs share them
+    round-robin (config refuses NCCL without one GPU per local rank)."""
+    if device_kind != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
 
 
 def form_world(store: dist.Store, prefix: str, rank: int, world_size: int, device: torch.device, backend: str,

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 from conftest import assert_nothing_left, load_params, read_json, read_jsonl, relative_error, run_cli
 
+from analysis import elastic
 from testbed.checks import ConfigError
 from testbed.preflight import check_command_line
+from testbed.results.summary import load_summaries
 
 QUICK = ["steps=16", "warmup_steps=1", "launcher.echo_rank0=false", "timeouts.collective_s=60"]
 # 4 workers of 12 samples: a global batch of 48, which 3 (and 2) workers split evenly.
@@ -22,7 +24,8 @@ ELASTIC = ["world_size=4", "data.batch_size=12", "elastic.enabled=true", "elasti
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """ring, allreduce and ps losing worker 2 of 4 (ring at step 7 with commits every 3 steps, so
     that a completed step is rolled back; allreduce at step 0, before any commit; ps in sync mode on
-    two shards at step 5, and in SSP mode), and one process on the whole global batch for reference."""
+    two shards at step 5, and in SSP mode), ring losing it at step 5 and a newcomer taking its place
+    at step 10, and one process on the whole global batch for reference."""
     root = tmp_path_factory.mktemp("elastic")
     proc = run_cli([*ELASTIC, *QUICK, "sync=ring", "elastic.commit_every=3", "fault.step=7",
                     f"hydra.run.dir={root / 'ring'}"], cwd=root)
@@ -36,9 +39,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     proc = run_cli([*ELASTIC, *QUICK, "sync=ps", "sync.mode=ssp", "fault.step=5", f"hydra.run.dir={root / 'ssp'}"],
                    cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_cli([*ELASTIC, *QUICK, "sync=ring", "fault.step=5", "elastic.rejoin_step=10",
+                    f"hydra.run.dir={root / 'rejoin'}"], cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     proc = run_cli(["world_size=1", "data.batch_size=48", *QUICK, f"hydra.run.dir={root / 'one'}"], cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return {name: root / name for name in ("ring", "allreduce", "ps", "ssp", "one")}
+    return {name: root / name for name in ("ring", "allreduce", "ps", "ssp", "rejoin", "one")}
 
 
 @pytest.mark.parametrize("sync", ["ring", "allreduce", "ps"])
@@ -65,6 +71,29 @@ def test_a_lost_worker_leaves_and_the_run_ends_with_the_uninterrupted_model(runs
     assert_nothing_left(job)
 
 
+def test_a_newcomer_takes_a_lost_workers_place_and_the_run_ends_with_the_uninterrupted_model(
+    runs: dict[str, Path],
+) -> None:
+    """4 -> 3 -> 4: worker 2 lost at step 5; a newcomer in its place receives the model and optimizer
+    state from a peer and takes part from step 10, with nothing done again."""
+    job = runs["rejoin"]
+    summary = read_json(job / "summary.json")
+    assert summary["status"] == "ok" and summary["replicas_identical"], summary.get("error")
+    assert relative_error(load_params(job), load_params(runs["one"])) < 1e-5
+    _, lost, joined = summary["membership"]
+    assert (lost["members"], lost["lost"], lost["step"]) == ([0, 1, 3], [2], 5)
+    assert (joined["members"], joined["joined"], joined["lost"]) == ([0, 1, 2, 3], [2], [])
+    assert (joined["step"], joined["interrupted_step"], joined["rolled_back_steps"]) == (10, None, 0)
+    assert 0 <= joined["regroup_s"] <= joined["downtime_s"] < 15
+    records = read_jsonl(job / "metrics" / "rank2.jsonl")  # the lost worker's steps, then the newcomer's
+    assert [r["step"] for r in records] == [*range(5), *range(10, 16)]
+    assert {r["samples"] for r in records} == {12}
+    for worker in (0, 1, 3):
+        samples = {r["step"]: r["samples"] for r in read_jsonl(job / "metrics" / f"rank{worker}.jsonl")}
+        assert sorted(samples) == list(range(16)) and {samples[s] for s in range(5, 10)} == {16}
+    assert_nothing_left(job)
+
+
 def test_ssp_workers_go_on_when_the_servers_drop_a_lost_one(runs: dict[str, Path]) -> None:
     """No step waits for the lost worker: the survivors regroup at their next step, where they are."""
     summary = read_json(runs["ssp"] / "summary.json")
@@ -75,6 +104,23 @@ def test_ssp_workers_go_on_when_the_servers_drop_a_lost_one(runs: dict[str, Path
     for worker in (0, 1, 3):
         assert [r["step"] for r in read_jsonl(runs["ssp"] / "metrics" / f"rank{worker}.jsonl")] == list(range(16))
     assert_nothing_left(runs["ssp"])
+
+
+def test_the_analysis_reads_each_loss_from_the_summaries(runs: dict[str, Path], tmp_path: Path) -> None:
+    summaries = load_summaries([runs[name] for name in ("ring", "allreduce", "ps", "one")])
+    frame = elastic.table(summaries).set_index("sync")
+    label = {name: read_json(runs[name] / "summary.json")["sync_label"] for name in ("ring", "allreduce", "ps")}
+    assert set(frame.index) == set(label.values())  # one process lost no one and ran no launcher
+    assert (frame["recovery"] == "elastic").all()
+    # The interrupted step and the completed ones rolled back: ring 6 and 7, the others their step.
+    assert frame["redone_steps"].to_dict() == {label["ring"]: 2, label["allreduce"]: 1, label["ps"]: 1}
+    for name, sync in label.items():
+        assert frame.loc[sync, "downtime_s"] == read_json(runs[name] / "summary.json")["membership"][1]["downtime_s"]
+        times, samples = elastic.samples_over_time(runs[name])
+        assert times == sorted(times) and times[0] > 0 and samples[-1] == 16 * 48  # every step of the final model once
+    assert elastic.samples_over_time(runs["rejoin"])[1][-1] == 16 * 48  # the lost worker's step 5 is not in it
+    figures, section = elastic.analyse(summaries, tmp_path)
+    assert tmp_path / "elastic.png" in figures and "| ring | elastic | 1 |" in section
 
 
 def test_below_min_workers_the_run_fails_and_says_why(tmp_path: Path) -> None:
@@ -98,6 +144,8 @@ def test_below_min_workers_the_run_fails_and_says_why(tmp_path: Path) -> None:
         (["sync=ddp"], "elastic.enabled with sync=ddp: DDP's reducer"),
         (["fault.rank=0"], "elastic.enabled with fault.rank=0"),
         (["launcher.max_restarts=1"], "elastic.enabled with launcher.max_restarts"),
+        (["fault.step=8", "elastic.rejoin_step=8"], "set fault.step below elastic.rejoin_step"),
+        (["sync=ps", "fault.step=2", "elastic.rejoin_step=8"], "the parameter servers do not admit one"),
     ],
 )
 def test_elastic_settings_that_cannot_run_are_refused_before_spawn(overrides: list[str], message: str) -> None:

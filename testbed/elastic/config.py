@@ -20,6 +20,9 @@ class ElasticConfig:
     # Steps between in-memory commits of parameters and optimizer state: the point the survivors
     # roll back to when a step was interrupted (1: every step, at the cost of one copy a step).
     commit_every: int = 1
+    # A lost worker's place is taken by a newcomer, which the launcher starts at once and which joins
+    # the run at this step, with the parameters and optimizer state of a peer (null: no newcomer).
+    rejoin_step: int | None = None
 
 
 def check_elastic(cfg: Any) -> None:
@@ -54,9 +57,22 @@ def check_elastic(cfg: Any) -> None:
             "fault=kill_rank (or a real crash)")
     require(fault.name != "kill_rank" or fault.rank != 0, "elastic.enabled with fault.rank=0: worker 0 writes the "
             "run's results and its loss fails the run; lose another (fault.rank >= 1)")
+    if elastic.rejoin_step is not None:
+        _check_rejoin(cfg)
     # keep_global: every membership the run may reach splits the global batch evenly.
     total = sum(shard_batches(cfg))
     for m in range(int(elastic.min_workers), n + 1):
         require(total % m == 0, f"elastic.min_workers={elastic.min_workers}: a global batch of {total} samples "
                 f"(data.batch_size, world_size={n}) does not divide among {m} workers; choose a global batch that "
                 f"every size from min_workers to world_size divides, or raise elastic.min_workers")
+
+
+def _check_rejoin(cfg: Any) -> None:
+    step, fault, sync = cfg.elastic.rejoin_step, cfg.fault, cfg.sync.name
+    require(0 < step < int(cfg.steps), f"elastic.rejoin_step={step}: must be in [1, steps={cfg.steps})")
+    require(fault.name != "kill_rank" or (fault.step is not None and fault.step < step),
+            f"elastic.rejoin_step={step} with fault.step={fault.step}: the newcomer takes the place of a worker "
+            "lost before it joins; set fault.step below elastic.rejoin_step")
+    require(SYNCHRONIZERS[sync].servers is None, f"elastic.rejoin_step with sync={sync}: a newcomer joins the "
+            "all-reduce family (it receives the model from a peer); the parameter servers do not admit one; use sync="
+            + "|".join(n for n, s in SYNCHRONIZERS.items() if s.inelastic is None and s.servers is None))

@@ -12,6 +12,12 @@ Then every survivor leaves the old group, forms the new one (its keys under ``ep
 renumbered in worker order), and agrees on the newest commit any survivor holds: its holder
 broadcasts parameters, buffers and optimizer state, and training goes on from the step after it.
 A step that was cut off inside a collective is done again by the new membership.
+
+A newcomer (``elastic.rejoin_step``) takes a lost worker's place: the launcher starts it at once,
+and it says when it is ready (``elastic/ready/...``). At the boundary before ``rejoin_step`` (a step
+every worker knows, so none is interrupted) the workers ask the launcher to admit it
+(``ADMIT_KEY``); the launcher announces the membership that does, and they form its group, commit
+the step before it and broadcast it as above: the newcomer takes part from ``rejoin_step`` on.
 """
 
 from __future__ import annotations
@@ -32,13 +38,57 @@ import torch
 import torch.distributed as dist
 
 from testbed.rank_failure import RunFailure, kind_of, lost_peer
-from testbed.world import World, form_world
+from testbed.world import World, env_rank_layout, form_world
 
 log = logging.getLogger("testbed")
 
 
+# Set by the launcher on a newcomer: the membership epoch announced when it was started.
+JOIN_ENV = "TESTBED_JOIN_AFTER_EPOCH"
+ADMIT_KEY = "elastic/admit"  # set by the workers at elastic.rejoin_step: admit the newcomers ready
+
+
 def epoch_key(epoch: int) -> str:
     return f"elastic/epoch/{epoch}"
+
+
+def ready_key(worker: int, after: int) -> str:
+    """Posted by the newcomer for ``worker`` started after membership ``after``, once it can join."""
+    return f"elastic/ready/{worker}/{after}"
+
+
+def joining() -> int | None:
+    """The membership epoch after which this process was started as a newcomer, or None."""
+    after = os.environ.get(JOIN_ENV)
+    return None if after is None else int(after)
+
+
+def is_join(announcement: dict[str, Any]) -> bool:
+    return bool(announcement.get("joined")) and not announcement.get("lost")
+
+
+def join_world(device: torch.device, backend: str, timeout_s: float, after: int) -> tuple[World, dict[str, Any]]:
+    """A newcomer's world: say it is ready, wait for the membership that admits it, and form its
+    group with its peers (who form it at the boundary before ``elastic.rejoin_step``)."""
+    worker = env_rank_layout()[0]
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), None, is_master=False, timeout=timeout)
+    store.set(ready_key(worker, after), str(time.time()))
+    epoch = after + 1
+    while True:
+        try:  # as long as it takes: a newcomer is admitted at elastic.rejoin_step, or stopped at the end
+            store.wait([epoch_key(epoch)], timeout)
+        except dist.DistStoreError:
+            continue
+        while store.check([epoch_key(epoch + 1)]):  # the newest, as the peers take it
+            epoch += 1
+        announced = {"epoch": epoch, **json.loads(store.get(epoch_key(epoch)))}
+        if worker in announced["members"]:
+            break
+        epoch += 1
+    members = announced["members"]
+    world = form_world(store, f"epoch{epoch}", members.index(worker), len(members), device, backend, timeout_s)
+    return world, announced
 
 
 class MembershipLost(RunFailure):
@@ -46,6 +96,9 @@ class MembershipLost(RunFailure):
     timeout (a hung peer, not a lost one), or the membership fell below ``elastic.min_workers``."""
 
     kind = "membership"
+
+
+NO_COMMIT = -2  # a newcomer's: older than any commit of its peers
 
 
 @dataclass
@@ -62,19 +115,24 @@ class Membership:
     every file; ``world`` is the current process group's view (rank, size)."""
 
     def __init__(self, cfg: Any, world: World, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 start_step: int) -> None:
-        """After the synchronizer's setup (its groups exist); commits the state before ``start_step``."""
-        self.worker, self.world = world.rank, world
+                 start_step: int, joined: dict[str, Any] | None = None) -> None:
+        """After the synchronizer's setup (its groups exist); commits the state before ``start_step``.
+        ``joined``: a newcomer's admitting membership (join_world), whose commit is the peers' to send."""
+        self.worker, self.world = env_rank_layout()[0], world
         self.model, self.optimizer = model, optimizer
         self.commit_every = int(cfg.elastic.commit_every)
-        self.epoch, self.members = 0, list(range(world.world_size))
+        self.rejoin_step: int | None = cfg.elastic.rejoin_step
+        self.world_size = int(cfg.world_size)
+        self.epoch, self.members = (0, list(range(world.world_size))) if joined is None else (
+            joined["epoch"], joined["members"])
         timeout = timedelta(seconds=float(cfg.timeouts.collective_s))
         self._port = int(os.environ["MASTER_PORT"])
         self._store = dist.TCPStore("127.0.0.1", self._port, None, is_master=False, timeout=timeout)
         self.timeout_s = float(cfg.timeouts.collective_s)
         # Epoch 0's timeline entry; one more per change (summary.json's ``membership``).
-        self.timeline: list[dict[str, Any]] = [{"epoch": 0, "step": start_step, "world_size": world.world_size,
-                                                "members": self.members, "cause": "start"}]
+        self.timeline: list[dict[str, Any]] = [{"epoch": self.epoch, "step": start_step, "world_size": world.world_size,
+                                                "members": self.members,
+                                                "cause": "start" if joined is None else joined["cause"]}]
         self._resumed_at: dict[str, Any] | None = None  # the newest change, until its first step completes
         self.commit: Commit | None = None
         self._lock = threading.Lock()
@@ -84,7 +142,7 @@ class Membership:
         self._news = threading.Event()  # a newer membership is announced
         self._watcher = threading.Thread(target=self._watch, name="testbed-membership", daemon=True)
         self._watcher.start()
-        self.save(start_step - 1)
+        self.save(start_step - 1 if joined is None else NO_COMMIT)
 
     # --- in the training loop -------------------------------------------------------------------
 
@@ -114,9 +172,15 @@ class Membership:
             return True
         return not isinstance(exc, RunFailure) and (lost_peer(message) or kind_of(exc) == "timeout")
 
-    def announced(self) -> bool:
-        """A newer membership is announced (seen by the watcher): regroup before the next step."""
-        return self._news.is_set()
+    def due(self, step: int) -> bool:
+        """Regroup before ``step``: a newer membership is announced (seen by the watcher), or it is
+        ``elastic.rejoin_step`` and newcomers wait to take lost workers' places."""
+        return self._news.is_set() or (step == self.rejoin_step and len(self.members) < self.world_size)
+
+    def admitted(self) -> int:
+        """A newcomer, after its synchronizer's setup over the admitting membership: receive the
+        peers' commit; the step to take part from."""
+        return self._restore() + 1
 
     def regroup(self, step: int, exc: BaseException | None, rebuild: Callable[[World, int], int | None]) -> int:
         """Wait for the next membership (``exc``: the failure that ``step`` ended in; None: announced
@@ -124,8 +188,13 @@ class Membership:
         for it, and return the step to go on from: ``rebuild``'s (a parameter server's workers go on
         where the servers are) or, where it returns None, the one after the newest commit, restored.
         Raises ``MembershipLost`` when none is announced in time."""
+        if exc is None and step == self.rejoin_step:
+            self._store.set(ADMIT_KEY, str(step))
         while True:
             announced = self._announced(exc)
+            if is_join(announced):  # every peer is at this boundary: nothing is done again
+                self.save(step - 1)
+                announced["detected_at"] = time.time()  # the newcomer was ready before: the pause starts here
             try:
                 self._form(announced)
                 formed = time.time()
@@ -138,15 +207,15 @@ class Membership:
                 exc = again
                 continue
             change = {"epoch": self.epoch, "step": resume, "world_size": len(self.members), "members": self.members,
-                      "lost": announced["lost"], "cause": announced["cause"],
+                      "lost": announced["lost"], "joined": announced.get("joined", []), "cause": announced["cause"],
                       "interrupted_step": step if exc is not None else None,
                       "rolled_back_steps": max(0, step - resume),  # completed steps done again
                       "regroup_s": round(formed - announced["detected_at"], 3),
                       "detected_at": announced["detected_at"]}
             self.timeline.append(change)
             self._resumed_at = change
-            log.warning("membership %d: workers %s go on from step %d (lost %s: %s)", self.epoch, self.members,
-                        resume, announced["lost"], announced["cause"])
+            log.warning("membership %d: workers %s go on from step %d (%s)", self.epoch, self.members, resume,
+                        announced["cause"])
             return resume
 
     # --- the new membership ---------------------------------------------------------------------
@@ -196,19 +265,24 @@ class Membership:
 
     def _watch(self) -> None:
         """Shut this rank's connections of the current group once a newer membership is announced:
-        a rank blocked on a live peer that stopped on the failure wakes at once."""
+        a rank blocked on a live peer that stopped on the failure wakes at once. A membership that
+        only admits newcomers wakes no one: its peers form it at ``elastic.rejoin_step``."""
         store = dist.TCPStore("127.0.0.1", self._port, None, is_master=False, timeout=timedelta(seconds=60))
+        seen = self.epoch  # the newest announcement read
         while not self._closing.is_set():
-            epoch = self.epoch
+            seen = max(seen, self.epoch)
             try:
-                store.wait([epoch_key(epoch + 1)], timedelta(seconds=1))
+                store.wait([epoch_key(seen + 1)], timedelta(seconds=1))
             except dist.DistStoreError:
                 continue
+            seen += 1
+            if is_join(json.loads(store.get(epoch_key(seen)))):
+                continue
             with self._lock:
-                if self._severed < epoch and self.epoch == epoch:
+                if self._severed < self.epoch < seen:
                     self._news.set()
                     _shut(self._connections)
-                    self._severed = epoch
+                    self._severed = self.epoch
             self._closing.wait(0.05)  # until the main thread has moved to the new membership
 
     def describe(self) -> list[dict[str, Any]]:

@@ -195,6 +195,7 @@ def _attempt(
                     on_lost=(lambda worker, epoch: leave(plain, env, worker, epoch)) if leave else None,
                     rendezvous_timeout_s=cfg.timeouts.rendezvous_s,
                     echo_rank0=cfg.launcher.echo_rank0, monitor_interval_s=cfg.launcher.monitor_interval_s, env=env,
+                    rejoin=cfg.elastic.rejoin_step is not None,
                 )
             else:
                 results = spawn_world(

@@ -30,7 +30,7 @@ from testbed.balance import Balancer
 from testbed.buffers import BufferSync
 from testbed.checks import resolved_backend, resolved_device
 from testbed.data import build_data, build_heldout, data_kind, heldout_of
-from testbed.elastic.membership import Membership
+from testbed.elastic.membership import Membership, join_world, joining
 from testbed.eval.config import evaluates
 from testbed.eval.evaluate import Evaluator
 from testbed.eval.schedule import schedule_of
@@ -41,7 +41,7 @@ from testbed.models.call import model_call
 from testbed.netem import enter_rank_namespace
 from testbed.optim import build_optimizer
 from testbed.rank_failure import LOST_PEER_GRACE_S, lost_peer, record_failure
-from testbed.results.step_log import StepLog, flush_open_logs, metrics_path
+from testbed.results.step_log import StepLog, flush_open_logs, metrics_path, read_step_records
 from testbed.results.summary import summarize, write_summary
 from testbed.results.wandb_run import WandbRun, remove_import_temporaries
 from testbed.seeds import rank_seed
@@ -52,7 +52,7 @@ from testbed.step_record import StepRecord
 from testbed.sync import Synchronizer, run_label, spec_of
 from testbed.timing import fill_wait_from_latest
 from testbed.trainer import Trainer
-from testbed.world import World, close_world, env_rank_layout, init_world
+from testbed.world import World, close_world, env_rank_layout, init_world, rank_device
 
 log = logging.getLogger("testbed")
 # Which attempt of its job a spawned world is (0, then 1, 2, ... after restarts: testbed.launch.job).
@@ -84,8 +84,13 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
         enter_rank_namespace()  # network=emulated: before any socket exists
         spec = spec_of(cfg.sync.name)
         os.environ.update(spec.rank_env(cfg))  # before the process group: NCCL reads its settings there
-        world = init_world(resolved_device(cfg), resolved_backend(cfg), cfg.timeouts.collective_s,
-                           cfg.debug)
+        after = joining()  # a newcomer taking a lost worker's place (elastic.rejoin_step)
+        if after is None:
+            world, joined = init_world(resolved_device(cfg), resolved_backend(cfg), cfg.timeouts.collective_s,
+                                       cfg.debug), None
+        else:
+            world, joined = join_world(rank_device(resolved_device(cfg), env_rank_layout()[1]), resolved_backend(cfg),
+                                       cfg.timeouts.collective_s, after)
         _configure_logging(world.rank)
         log.info("rank %d/%d pid %d device %s backend %s", world.rank, world.world_size, os.getpid(), world.device,
                  world.backend)
@@ -95,7 +100,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
         threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // world.local_world_size)
         torch.set_num_threads(threads)
         torch.manual_seed(cfg.seed)  # identical initial replicas on every rank
-        sizes = shard_batches(cfg)
+        sizes = shard_batches(cfg) if joined is None else even_shares(sum(shard_batches(cfg)), world.world_size)
         spec, data = build_data(cfg.data, sizes, world.rank, cfg.seed, world.device)
         train_samples = data.describe().get("samples")  # the training split's size, for epochs
         batches = objective_batches(cfg.model, data, spec, cfg.seed, world.rank)
@@ -112,15 +117,18 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
         buffers = BufferSync(model, "local" if cfg.sync_bn else cfg.buffers, world.world_size)
         sync.setup(model, optimizer, world)
         if cfg.elastic.enabled:
-            membership = Membership(cfg, world, model, optimizer, resumed)
+            membership = Membership(cfg, world, model, optimizer, resumed, joined)
             if sync.replicas_hold_state:
                 membership.arm()
+            if joined is not None:  # the peers' model and optimizer state, and the step they go on from
+                resumed = membership.admitted()
+                earlier = [r for r in read_step_records(metrics_path(Path(job_dir), rank)) if r.step < resumed]
         # The replicas were built alike from one seed; from here on each rank draws its own
         # randomness (dropout masks), as separate machines would.
         torch.manual_seed(rank_seed(cfg.seed, world.rank))
         if world.is_main:  # the process group and the parameter servers are up
             tracker = WandbRun(cfg.wandb, plain_cfg, Path(job_dir), identity)
-        step_log = StepLog(metrics_path(Path(job_dir), world.rank))
+        step_log = StepLog(metrics_path(Path(job_dir), rank))
         for record in earlier:
             step_log.write(record)
         evaluator = _evaluator(cfg, spec, world, Path(job_dir), train_samples, sum(sizes) * int(cfg.sync.accumulate),
@@ -131,7 +139,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
             call=model_call(cfg.model), loss_weight=loss_weight(sizes, world.rank),
             on_record=tracker.log_step if tracker else None,
             # An injected fault strikes the first attempt only, or every restart would meet it again.
-            fault=FaultInjector(cfg.fault, world.rank, cfg.seed, cfg.steps) if not restarted() else None,
+            fault=FaultInjector(cfg.fault, world.rank, cfg.seed, cfg.steps) if not (restarted() or joined) else None,
             arrivals=arrivals,
             start_step=resumed, buffers=buffers if buffers.flats else None,
             after_step=_checkpointer(cfg, Path(job_dir), world.rank, model, optimizer, injector, step_log),
@@ -234,7 +242,7 @@ def _regrouper(membership: Membership, sync: Synchronizer, data: Any, buffers: B
         resume = sync.regroup(world, epoch)
         if sync.replicas_hold_state:
             membership.arm()
-        sizes = [global_batch // world.world_size] * world.world_size
+        sizes = even_shares(global_batch, world.world_size)
         data.resize(sizes, world.rank)
         buffers.world_size = world.world_size
         if evaluator is not None:
@@ -242,6 +250,11 @@ def _regrouper(membership: Membership, sync: Synchronizer, data: Any, buffers: B
         return resume, loss_weight(sizes, world.rank)
 
     return regroup
+
+
+def even_shares(global_batch: int, n: int) -> list[int]:
+    """A membership's batches: the global batch split evenly among its ``n`` workers (elastic keeps it)."""
+    return [global_batch // n] * n
 
 
 def _evaluator(cfg: Any, spec: Any, world: World, job_dir: Path, train_samples: int | None,

@@ -5,9 +5,11 @@ the rest go on. It forks the ranks from the same rank server as testbed.launch.s
 store itself on loopback (so that it outlives any rank), and watches them. A worker whose process
 ends by a signal or without recording a failure of its own (SIGKILL, the OOM killer, a segfault) is
 lost: the launcher announces the next membership in the store (testbed.elastic.membership), and
-the survivors regroup. A rank that records an exception (a NaN loss, a timeout, a bug) fails the
-run as it would without elastic: it would fail again. So does losing worker 0, which writes the
-run's results, or falling below ``elastic.min_workers``.
+the survivors regroup. With ``elastic.rejoin_step`` it starts a newcomer in the lost worker's place
+at once, and announces the membership that admits it when the workers reach that step and ask. A
+rank that records an exception (a NaN loss, a timeout, a bug) fails the run as it would without
+elastic: it would fail again. So does losing worker 0, which writes the run's results, or falling
+below ``elastic.min_workers``.
 
 Logs keep torch's layout: ``log_dir/<run id>/attempt_0/<rank>/{stdout,stderr}.log``.
 """
@@ -30,7 +32,7 @@ from typing import Any, TextIO
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from testbed.elastic.membership import epoch_key
+from testbed.elastic.membership import ADMIT_KEY, JOIN_ENV, epoch_key, ready_key
 from testbed.launch import rank_server
 from testbed.launch.spawn import RankFailure, launch_environment, loopback_env
 from testbed.rank_failure import recorded
@@ -51,11 +53,12 @@ def supervise_world(
     echo_rank0: bool = False,
     monitor_interval_s: float = 0.1,
     env: dict[str, str] | None = None,
+    rejoin: bool = False,
 ) -> dict[int, Any]:
     """Run ``entry(*args)`` in ``nproc`` ranks that may leave; return ``{0: worker 0's return value}``.
     ``on_lost(worker, epoch)`` tells the rest of the job (parameter servers) of a lost worker before
-    membership ``epoch`` is announced. Raises ``RankFailure`` naming the worker whose failure ended
-    the run."""
+    membership ``epoch`` is announced. ``rejoin``: a newcomer is started in each lost worker's place
+    (elastic.rejoin_step). Raises ``RankFailure`` naming the worker whose failure ended the run."""
     log_dir.mkdir(parents=True, exist_ok=True)
     rank_server.start_rank_server(entry.__module__)
     context = multiprocessing.get_context("forkserver")
@@ -66,18 +69,26 @@ def supervise_world(
     # Told to stop, the launcher stops its ranks first (the job records it: testbed.launch.job).
     previous = signal.signal(signal.SIGTERM, _raise_stop)
     try:
+        port = store.port
         with launch_environment(log_dir, launch_env) as environ:
-            for rank in range(nproc):
+
+            def start(rank: int, extra: dict[str, str]) -> None:
                 layout = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-                          "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}
+                          "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
                 receive, send = context.Pipe(duplex=False)
                 process = context.Process(target=_rank, name=f"rank{rank}",
-                                          args=(entry, {**environ, **layout}, run_dir / str(rank), send, args))
+                                          args=(entry, {**environ, **layout, **extra}, run_dir / str(rank), send, args))
                 process.start()
                 send.close()
+                if rank in ranks:  # a newcomer in a lost worker's place
+                    ranks[rank][1].close()
                 ranks[rank] = (process, receive)
+
+            for rank in range(nproc):
+                start(rank, {})
             echo = _Echo(run_dir / "0" / "stdout.log") if echo_rank0 else None
-            return _watch(ranks, store, min_workers, on_lost, log_dir, monitor_interval_s, echo)
+            newcomers = (lambda worker, epoch: start(worker, {JOIN_ENV: str(epoch)})) if rejoin else None
+            return _Watch(ranks, store, min_workers, on_lost, newcomers, log_dir, echo).run(monitor_interval_s)
     finally:
         signal.signal(signal.SIGTERM, previous)
         _stop([process for process, _ in ranks.values()])
@@ -86,50 +97,92 @@ def supervise_world(
         del store  # its server thread and port go with it
 
 
-def _watch(ranks: dict[int, tuple[Any, Connection]], store: Any, min_workers: int,
-           on_lost: Callable[[int, int], None] | None, log_dir: Path, interval_s: float,
-           echo: _Echo | None) -> dict[int, Any]:
-    live, results, epoch = set(ranks), {}, 0
-    while live:
-        time.sleep(interval_s)
-        if echo is not None:
-            echo.pump()
-        for rank in sorted(live):
-            process, receive = ranks[rank]
-            _receive(results, rank, receive)  # before the exit: a large result would block the rank's send
-            if process.exitcode is None:
-                continue
-            _receive(results, rank, receive)  # sent between the two looks
-            live.discard(rank)
-            if process.exitcode == 0:
-                continue
-            detected_at = time.time()
-            record = recorded(log_dir, rank)
-            if process.exitcode < 0:
-                cause = f"killed by signal {signal.Signals(-process.exitcode).name} (pid {process.pid})"
-            elif record is None:
-                cause = f"exited with code {process.exitcode} without recording a failure"
-            else:  # an exception of its own: it would recur, as it does without elastic
-                raise RankFailure(rank, record["message"])
-            survivors = sorted(live)
-            if rank == 0:
-                raise RankFailure(0, f"{cause}; worker 0 writes the run's results, so its loss ends the run",
-                                  killed=process.exitcode < 0)
-            if len(survivors) < min_workers:
-                raise RankFailure(rank, f"{cause}; {len(survivors)} workers left, below elastic.min_workers="
-                                        f"{min_workers}", killed=process.exitcode < 0)
-            epoch += 1
-            if on_lost is not None:
-                try:
-                    on_lost(rank, epoch)
-                except Exception as exc:
-                    raise RankFailure(rank, f"{cause}; the servers could not drop it: {exc}") from exc
-            store.set(epoch_key(epoch), json.dumps({"members": survivors, "lost": [rank], "cause": cause,
-                                                    "detected_at": detected_at}))
-            log.warning("worker %d lost (%s): membership %d goes on with workers %s", rank, cause, epoch, survivors)
-    if echo is not None:
-        echo.close()
-    return {0: results.get(0)}
+class _Watch:
+    """The launcher's loop: each rank's exit, each newcomer's readiness, and the memberships they make."""
+
+    def __init__(self, ranks: dict[int, tuple[Any, Connection]], store: Any, min_workers: int,
+                 on_lost: Callable[[int, int], None] | None, newcomers: Callable[[int, int], None] | None,
+                 log_dir: Path, echo: _Echo | None) -> None:
+        self.ranks, self.store, self.min_workers = ranks, store, min_workers
+        self.on_lost, self.newcomers, self.log_dir, self.echo = on_lost, newcomers, log_dir, echo
+        self.members = set(ranks)  # the workers of the newest membership (announced)
+        self.waiting: dict[int, int] = {}  # newcomer -> the epoch it was started after, until admitted
+        self.results: dict[int, Any] = {}
+        self.epoch = 0
+
+    def run(self, interval_s: float) -> dict[int, Any]:
+        live = set(self.ranks)
+        while live & self.members:  # a newcomer never admitted is stopped at the end
+            time.sleep(interval_s)
+            if self.echo is not None:
+                self.echo.pump()
+            for rank in sorted(live):
+                process, receive = self.ranks[rank]
+                _receive(self.results, rank, receive)  # before the exit: a large result would block the send
+                if process.exitcode is None:
+                    continue
+                _receive(self.results, rank, receive)  # sent between the two looks
+                live.discard(rank)
+                if process.exitcode != 0:
+                    self._lost(rank, process)
+                    if self.newcomers is not None:
+                        self.newcomers(rank, self.epoch)
+                        self.waiting[rank] = self.epoch
+                        live.add(rank)
+            self._admit()
+        if self.echo is not None:
+            self.echo.close()
+        return {0: self.results.get(0)}
+
+    def _lost(self, rank: int, process: Any) -> None:
+        detected_at = time.time()
+        record = recorded(self.log_dir, rank)
+        if process.exitcode < 0:
+            cause = f"killed by signal {signal.Signals(-process.exitcode).name} (pid {process.pid})"
+        elif record is None:
+            cause = f"exited with code {process.exitcode} without recording a failure"
+        else:  # an exception of its own: it would recur, as it does without elastic
+            raise RankFailure(rank, record["message"])
+        if rank in self.waiting:
+            raise RankFailure(rank, f"the newcomer in worker {rank}'s place ended before it joined: {cause}",
+                              killed=process.exitcode < 0)
+        self.members.discard(rank)
+        survivors = sorted(self.members)
+        if rank == 0:
+            raise RankFailure(0, f"{cause}; worker 0 writes the run's results, so its loss ends the run",
+                              killed=process.exitcode < 0)
+        if len(survivors) < self.min_workers:
+            raise RankFailure(rank, f"{cause}; {len(survivors)} workers left, below elastic.min_workers="
+                                    f"{self.min_workers}", killed=process.exitcode < 0)
+        self.epoch += 1
+        if self.on_lost is not None:
+            try:
+                self.on_lost(rank, self.epoch)
+            except Exception as exc:
+                raise RankFailure(rank, f"{cause}; the servers could not drop it: {exc}") from exc
+        self._announce({"members": survivors, "lost": [rank], "joined": [], "cause": cause, "detected_at": detected_at})
+        log.warning("worker %d lost (%s): membership %d goes on with workers %s", rank, cause, self.epoch, survivors)
+
+    def _admit(self) -> None:
+        """Once the workers ask (at elastic.rejoin_step), announce the membership that admits the
+        newcomers ready to join; one started later waits until the run ends, never admitted."""
+        if not self.waiting or not self.store.check([ADMIT_KEY]):
+            return
+        ready = sorted(w for w, after in self.waiting.items() if self.store.check([ready_key(w, after)]))
+        if not ready:
+            return
+        self.store.delete_key(ADMIT_KEY)
+        for worker in ready:
+            del self.waiting[worker]
+        self.members.update(ready)
+        self.epoch += 1
+        cause = f"worker{'s' if len(ready) > 1 else ''} {', '.join(map(str, ready))} joined (a newcomer in a lost place)"
+        self._announce({"members": sorted(self.members), "lost": [], "joined": ready, "cause": cause,
+                        "detected_at": time.time()})
+        log.warning("%s: membership %d admits it", cause, self.epoch)
+
+    def _announce(self, membership: dict[str, Any]) -> None:
+        self.store.set(epoch_key(self.epoch), json.dumps(membership))
 
 
 def _raise_stop(signum: int, frame: Any) -> None:
