@@ -152,3 +152,11 @@ def test_elastic_settings_that_cannot_run_are_refused_before_spawn(overrides: li
     with pytest.raises(ConfigError) as info:
         check_command_line([*ELASTIC, *overrides])
     assert message in str(info.value)
+
+
+@pytest.mark.unit
+def test_the_presets_recoveries_compose_and_a_newcomer_is_refused_the_parameter_servers() -> None:
+    assert check_command_line(["+experiment=elastic"]) == 3 * 4 * 3
+    assert check_command_line(["+experiment=elastic", "+recovery=rejoin", "sync=ring,allreduce"]) == 3 * 2
+    with pytest.raises(ConfigError, match="elastic.rejoin_step with sync=ps"):
+        check_command_line(["+experiment=elastic", "+recovery=rejoin", "sync=ps"])

@@ -188,13 +188,14 @@ class Membership:
         for it, and return the step to go on from: ``rebuild``'s (a parameter server's workers go on
         where the servers are) or, where it returns None, the one after the newest commit, restored.
         Raises ``MembershipLost`` when none is announced in time."""
+        asked = time.time()  # a join's pause starts here, at the boundary: the newcomer started long before
         if exc is None and step == self.rejoin_step:
             self._store.set(ADMIT_KEY, str(step))
         while True:
             announced = self._announced(exc)
             if is_join(announced):  # every peer is at this boundary: nothing is done again
                 self.save(step - 1)
-                announced["detected_at"] = time.time()  # the newcomer was ready before: the pause starts here
+                announced["detected_at"] = asked
             try:
                 self._form(announced)
                 formed = time.time()
