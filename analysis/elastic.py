@@ -1,12 +1,13 @@
 """Elastic membership against a restart: downtime, lost work and time to target per synchronizer.
 
 A run's recovery is read from its summary: ``elastic`` when its membership changed (testbed.elastic),
-``restart`` when the launcher started it again from a checkpoint (``attempts``), ``uninterrupted``
-when it ran elastic and lost no one (the reference). Downtime is, for both, the seconds from the
-launcher seeing the loss to the first step completed after it; the work lost is the steps done
-again: the interrupted one and the completed ones rolled back (elastic), or every step after the
-checkpoint the restart continued from (restart). The figure sets samples against wall-clock for one
-seed, and the downtime of each recovery beside the other.
+``rejoin`` when a newcomer later took the lost worker's place, ``restart`` when the launcher started
+it again from a checkpoint (``attempts``), ``uninterrupted`` when it ran elastic and lost no one (the
+reference). Downtime is, for each, the seconds from the launcher seeing the loss to the first step
+completed after it; the work lost is the steps done again: the interrupted one and the completed
+ones rolled back (elastic), or every step after the checkpoint the restart continued from
+(restart). A join's own pause is its column beside. The figure sets samples against wall-clock for
+one seed, and the downtime of each recovery beside the others.
 """
 
 from __future__ import annotations
@@ -28,11 +29,14 @@ from analysis.stats import point  # noqa: E402
 from testbed.results.format import markdown_table  # noqa: E402
 from testbed.results.step_log import read_step_log  # noqa: E402
 
-RECOVERIES = ("elastic", "restart", "uninterrupted")
+# Each recovery's line style and colour, alike in every panel.
+STYLES = {"elastic": ("-", "C0"), "rejoin": ("-.", "C3"), "restart": ("--", "C1"), "uninterrupted": (":", "C2")}
 
 
 def recovery_of(summary: dict[str, Any]) -> str | None:
     membership, attempts = summary.get("membership") or [], summary.get("attempts") or []
+    if any(change.get("joined") for change in membership):
+        return "rejoin"
     if len(membership) > 1:
         return "elastic"
     if attempts:
@@ -44,7 +48,7 @@ def recovery_of(summary: dict[str, Any]) -> str | None:
 
 def _loss(summary: dict[str, Any], recovery: str) -> tuple[float | None, int | None]:
     """(downtime in seconds, steps done again) of the run's first loss."""
-    if recovery == "elastic":
+    if recovery in ("elastic", "rejoin"):
         change = summary["membership"][1]
         redone = change["rolled_back_steps"] + (change["interrupted_step"] is not None)
         return change.get("downtime_s"), redone
@@ -66,8 +70,9 @@ def table(summaries: list[dict[str, Any]]) -> pd.DataFrame:
             continue
         downtime, redone = _loss(s, recovery)
         reached = s.get("time_to_target") or {}
+        joins = [c["downtime_s"] for c in s.get("membership") or [] if c.get("joined")]
         rows.append({"sync": s["sync_label"], "recovery": recovery, "seed": s["config"]["seed"],
-                     "downtime_s": downtime, "redone_steps": redone,
+                     "downtime_s": downtime, "redone_steps": redone, "join_s": joins[0] if joins else None,
                      "time_to_target_s": reached.get("seconds") if reached.get("reached") else None,
                      "job_dir": s.get("job_dir")})
     return pd.DataFrame(rows)
@@ -88,12 +93,13 @@ def summary_rows(runs: pd.DataFrame) -> pd.DataFrame:
         rows.append({"sync": sync, "recovery": recovery, "runs": len(group),
                      "downtime": _cell(group["downtime_s"].dropna().tolist(), 3),
                      "redone": _cell(group["redone_steps"].dropna().tolist(), 1),
+                     "join": _cell(group["join_s"].dropna().tolist(), 3),
                      "to_target": _cell(group["time_to_target_s"].dropna().tolist(), 2)})
     return pd.DataFrame(rows)
 
 
 COLUMNS = {"sync": "sync", "recovery": "recovery", "runs": "runs", "downtime": "downtime s",
-           "redone": "steps redone", "to_target": "time to target s"}
+           "redone": "steps redone", "join": "join s", "to_target": "time to target s"}
 
 
 def _member(membership: list[dict[str, Any]], worker: int, step: int) -> bool:
@@ -130,22 +136,26 @@ def figure(runs: pd.DataFrame, out: Path) -> list[Path]:
     seed = runs["seed"].min()
     syncs = sorted(runs["sync"].unique())
     fig, axes = plt.subplots(1, len(syncs) + 1, figsize=(4 * (len(syncs) + 1), 3.6))
-    styles = {"elastic": "-", "restart": "--", "uninterrupted": ":"}
     for ax, sync in zip(axes, syncs):
         for _, row in runs[(runs["sync"] == sync) & (runs["seed"] == seed)].iterrows():
             times, samples = samples_over_time(Path(row["job_dir"]))
-            ax.plot(times, [s / 1e3 for s in samples], styles[row["recovery"]], label=row["recovery"])
+            style, colour = STYLES[row["recovery"]]
+            ax.plot(times, [s / 1e3 for s in samples], style, color=colour, label=row["recovery"])
         ax.set_title(f"{sync} (seed {seed})")
         ax.set_xlabel("wall-clock s")
         ax.set_ylabel("samples trained (thousands)")
         ax.legend(fontsize=8)
     ax = axes[-1]
     lost = runs[runs["recovery"] != "uninterrupted"]
-    for i, recovery in enumerate(("elastic", "restart")):
+    recoveries = [r for r in STYLES if r in set(lost["recovery"])]
+    width = 0.8 / len(recoveries)
+    for i, recovery in enumerate(recoveries):
         means = [lost[(lost["sync"] == s) & (lost["recovery"] == recovery)]["downtime_s"].mean() for s in syncs]
-        ax.bar([x + 0.4 * i for x in range(len(syncs))], means, width=0.4, label=recovery)
-    ax.set_xticks([x + 0.2 for x in range(len(syncs))], syncs, rotation=20)
+        ax.bar([x + width * i for x in range(len(syncs))], means, width=width, color=STYLES[recovery][1],
+               label=recovery)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(syncs))], syncs, rotation=20)
     ax.set_yscale("log")
+    ax.set_ylim(top=lost["downtime_s"].max() * 20)  # room for the legend above the bars
     ax.set_ylabel("downtime s (loss to the next completed step)")
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -123,6 +123,24 @@ def test_the_analysis_reads_each_loss_from_the_summaries(runs: dict[str, Path], 
     assert tmp_path / "elastic.png" in figures and "| ring | elastic | 1 |" in section
 
 
+def test_a_survivor_never_hangs_wherever_the_loss_strikes(tmp_path: Path) -> None:
+    """Worker 2 killed at a step drawn from each of five seeds, the others anywhere in that step's
+    ring (some blocked on a live peer): every run regroups within seconds, far inside the
+    collective timeout, and ends ok."""
+    quick = [o for o in QUICK if not o.startswith("timeouts.")]
+    proc = run_cli(["-m", *ELASTIC, *quick, "sync=ring", "timeouts.collective_s=20", "seed=1,2,3,4,5",
+                    f"hydra.sweep.dir={tmp_path}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    jobs = sorted(p.parent for p in tmp_path.glob("*/summary.json"))
+    assert len(jobs) == 5
+    for job in jobs:
+        summary = read_json(job / "summary.json")
+        assert summary["status"] == "ok", summary.get("error")
+        change = summary["membership"][1]
+        assert change["lost"] == [2] and change["regroup_s"] < 5, change
+        assert_nothing_left(job)
+
+
 def test_below_min_workers_the_run_fails_and_says_why(tmp_path: Path) -> None:
     job = tmp_path / "job"
     proc = run_cli([*ELASTIC, *QUICK, "world_size=2", "elastic.min_workers=2", "fault.rank=1", "fault.step=3",

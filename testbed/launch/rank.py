@@ -85,12 +85,14 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
         spec = spec_of(cfg.sync.name)
         os.environ.update(spec.rank_env(cfg))  # before the process group: NCCL reads its settings there
         after = joining()  # a newcomer taking a lost worker's place (elastic.rejoin_step)
+        built = None  # a newcomer's data, built before it says it is ready: the seconds it takes are not a pause
         if after is None:
             world, joined = init_world(resolved_device(cfg), resolved_backend(cfg), cfg.timeouts.collective_s,
                                        cfg.debug), None
         else:
-            world, joined = join_world(rank_device(resolved_device(cfg), env_rank_layout()[1]), resolved_backend(cfg),
-                                       cfg.timeouts.collective_s, after)
+            device = rank_device(resolved_device(cfg), env_rank_layout()[1])
+            built = build_data(cfg.data, shard_batches(cfg), rank, cfg.seed, device)
+            world, joined = join_world(device, resolved_backend(cfg), cfg.timeouts.collective_s, after)
         _configure_logging(world.rank)
         log.info("rank %d/%d pid %d device %s backend %s", world.rank, world.world_size, os.getpid(), world.device,
                  world.backend)
@@ -101,7 +103,9 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
         torch.set_num_threads(threads)
         torch.manual_seed(cfg.seed)  # identical initial replicas on every rank
         sizes = shard_batches(cfg) if joined is None else even_shares(sum(shard_batches(cfg)), world.world_size)
-        spec, data = build_data(cfg.data, sizes, world.rank, cfg.seed, world.device)
+        spec, data = built or build_data(cfg.data, sizes, world.rank, cfg.seed, world.device)
+        if built is not None:
+            data.resize(sizes, world.rank)
         train_samples = data.describe().get("samples")  # the training split's size, for epochs
         batches = objective_batches(cfg.model, data, spec, cfg.seed, world.rank)
         model = build_model(cfg.model, spec).to(world.device)
