@@ -68,6 +68,9 @@ def test_a_lost_worker_leaves_and_the_run_ends_with_the_uninterrupted_model(runs
         assert {r["samples"] for r in records if r["step"] >= resumed} == {16}
     lost = read_jsonl(job / "metrics" / "rank2.jsonl")
     assert [r["step"] for r in lost] == list(range(killed))
+    # The statistics are the survivors', by their names, and per survivor.
+    assert {r["rank"] for r in summary["per_rank"]} == {0, 1, 3}
+    assert summary["bytes_per_step"] * 3 == summary["bytes_per_step_total"]
     assert_nothing_left(job)
 
 

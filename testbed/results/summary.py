@@ -64,9 +64,11 @@ def _imbalance(rows: list[list[StepRecord]], ranks: int) -> dict[str, Any]:
     waits = [r.t_wait or 0.0 for row in rows for r in row]
     total = sum(r.t_step for row in rows for r in row)
     slowest = Counter(max(range(len(c)), key=c.__getitem__) for c in compute)
+    # Each rank by its name in the records: after an elastic change the survivors' ranks at the start.
+    names = [r.rank for r in rows[0]] if rows else []
     per_rank = [
         {
-            "rank": rank,
+            "rank": names[rank],
             "compute": percentile([c[rank] for c in compute], 50),
             "injected": percentile([row[rank].t_injected for row in rows], 50),
             "wait": percentile([row[rank].t_wait or 0.0 for row in rows], 50),
@@ -81,7 +83,7 @@ def _imbalance(rows: list[list[StepRecord]], ranks: int) -> dict[str, Any]:
         "idle_fraction": (sum(waits) / total) if total else None,  # share of rank-time spent waiting for peers
         "per_rank": per_rank,
         # The ranks that were the slowest most often, with the share of steps they were.
-        "slowest_ranks": [{"rank": r, "share": c / len(compute)} for r, c in slowest.most_common(3)],
+        "slowest_ranks": [{"rank": names[r], "share": c / len(compute)} for r, c in slowest.most_common(3)],
     }
 
 
@@ -142,7 +144,8 @@ def summarize(
     summary["sync_bound"] = _bound(rows, comm_bound_s)
     # Bytes and loss are unknown (None) in a simulated run's records.
     sent = [sum(r.bytes_sent for r in row) for row in rows if all(r.bytes_sent is not None for r in row)]
-    summary["bytes_per_step"] = (statistics.median(sent) / world_size) if sent else None  # per rank
+    # Per rank of those that ran the steps: fewer than world_size after an elastic loss.
+    summary["bytes_per_step"] = (statistics.median(sent) / len(records_by_rank)) if sent else None
     summary["bytes_per_step_total"] = statistics.median(sent) if sent else None
     staleness = Counter(r.staleness for recs in records_by_rank for r in recs if r.staleness is not None)
     if staleness:  # every update applied, warm-up included: index = staleness, value = count
