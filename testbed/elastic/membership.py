@@ -225,6 +225,9 @@ class Membership:
         try:
             self._store.wait([epoch_key(self.epoch + 1)], timedelta(seconds=self.timeout_s))
         except dist.DistStoreError:
+            if exc is None:  # the members asked at elastic.rejoin_step
+                raise MembershipLost(f"worker {self.worker}: at elastic.rejoin_step={self.rejoin_step} no newcomer "
+                                     f"was ready within timeouts.collective_s={self.timeout_s:g}") from None
             raise MembershipLost(f"worker {self.worker}: a collective failed ({exc}) and no new membership was "
                                  f"announced within timeouts.collective_s={self.timeout_s:g}") from exc
         epoch = self.epoch + 1
