@@ -67,6 +67,14 @@ def is_join(announcement: dict[str, Any]) -> bool:
     return bool(announcement.get("joined")) and not announcement.get("lost")
 
 
+def newest_announcement(store: dist.Store, epoch: int) -> dict[str, Any]:
+    """Membership ``epoch``, announced, or a newer one announced since (several changes at once:
+    every worker takes the newest)."""
+    while store.check([epoch_key(epoch + 1)]):
+        epoch += 1
+    return {"epoch": epoch, **json.loads(store.get(epoch_key(epoch)))}
+
+
 def join_world(device: torch.device, backend: str, timeout_s: float, after: int) -> tuple[World, dict[str, Any]]:
     """A newcomer's world: say it is ready, wait for the membership that admits it, and form its
     group with its peers (who form it at the boundary before ``elastic.rejoin_step``)."""
@@ -80,14 +88,13 @@ def join_world(device: torch.device, backend: str, timeout_s: float, after: int)
             store.wait([epoch_key(epoch)], timeout)
         except dist.DistStoreError:
             continue
-        while store.check([epoch_key(epoch + 1)]):  # the newest, as the peers take it
-            epoch += 1
-        announced = {"epoch": epoch, **json.loads(store.get(epoch_key(epoch)))}
+        announced = newest_announcement(store, epoch)
         if worker in announced["members"]:
             break
-        epoch += 1
+        epoch = announced["epoch"] + 1
     members = announced["members"]
-    world = form_world(store, f"epoch{epoch}", members.index(worker), len(members), device, backend, timeout_s)
+    world = form_world(store, f"epoch{announced['epoch']}", members.index(worker), len(members), device, backend,
+                       timeout_s)
     return world, announced
 
 
@@ -230,10 +237,7 @@ class Membership:
                                      f"was ready within timeouts.collective_s={self.timeout_s:g}") from None
             raise MembershipLost(f"worker {self.worker}: a collective failed ({exc}) and no new membership was "
                                  f"announced within timeouts.collective_s={self.timeout_s:g}") from exc
-        epoch = self.epoch + 1
-        while self._store.check([epoch_key(epoch + 1)]):  # several changes at once: the newest
-            epoch += 1
-        return {"epoch": epoch, **json.loads(self._store.get(epoch_key(epoch)))}
+        return newest_announcement(self._store, self.epoch + 1)
 
     def _form(self, announced: dict[str, Any]) -> None:
         """Leave the old process group and form the announced membership's."""
