@@ -25,7 +25,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from analysis.figures import _save  # noqa: E402
-from analysis.stats import point  # noqa: E402
+from analysis.stats import point, verdicts  # noqa: E402
 from testbed.results.format import markdown_table  # noqa: E402
 from testbed.results.step_log import read_step_log  # noqa: E402
 
@@ -87,19 +87,24 @@ def _cell(values: list[float], digits: int) -> str:
 
 
 def summary_rows(runs: pd.DataFrame) -> pd.DataFrame:
-    """Per synchronizer and recovery: means with their 95 % intervals over the seeds."""
+    """Per synchronizer and recovery: means with their 95 % intervals over the seeds, and which
+    recovery reached the target first under each synchronizer (a "tie" where the intervals overlap)."""
     rows = []
-    for (sync, recovery), group in runs.groupby(["sync", "recovery"], sort=True):
-        rows.append({"sync": sync, "recovery": recovery, "runs": len(group),
-                     "downtime": _cell(group["downtime_s"].dropna().tolist(), 3),
-                     "redone": _cell(group["redone_steps"].dropna().tolist(), 1),
-                     "join": _cell(group["join_s"].dropna().tolist(), 3),
-                     "to_target": _cell(group["time_to_target_s"].dropna().tolist(), 2)})
+    for sync, by_sync in runs.groupby("sync", sort=True):
+        groups = list(by_sync.groupby("recovery", sort=True))
+        reached = verdicts([point(g["time_to_target_s"].dropna().tolist()) for _, g in groups], higher_is_better=False)
+        for (recovery, group), verdict in zip(groups, reached):
+            rows.append({"sync": sync, "recovery": recovery, "runs": len(group),
+                         "downtime": _cell(group["downtime_s"].dropna().tolist(), 3),
+                         "redone": _cell(group["redone_steps"].dropna().tolist(), 1),
+                         "join": _cell(group["join_s"].dropna().tolist(), 3),
+                         "to_target": _cell(group["time_to_target_s"].dropna().tolist(), 2), "verdict": verdict})
     return pd.DataFrame(rows)
 
 
 COLUMNS = {"sync": "sync", "recovery": "recovery", "runs": "runs", "downtime": "downtime s",
-           "redone": "steps redone", "join": "join s", "to_target": "time to target s"}
+           "redone": "steps redone", "join": "join s", "to_target": "time to target s",
+           "verdict": "to target"}
 
 
 def _member(membership: list[dict[str, Any]], worker: int, step: int) -> bool:
@@ -168,6 +173,7 @@ def analyse(summaries: list[dict[str, Any]], out: Path) -> tuple[list[Path], str
     if runs.empty or not (runs["recovery"] != "uninterrupted").any():
         return [], ""
     section = ("## Elastic membership against a restart\n\nA worker lost; downtime from the loss to the next "
-               "completed step, steps done again, time to target (means over the seeds, 95 % intervals).\n\n"
+               "completed step, steps done again, time to target (means over the seeds, 95 % intervals), and "
+               "which recovery reached the target first under each synchronizer (tie: the intervals overlap).\n\n"
                + markdown_table(summary_rows(runs), COLUMNS) + "\n")
     return figure(runs, out), section

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from conftest import assert_nothing_left, load_params, read_json, read_jsonl, relative_error, run_cli
 
@@ -124,6 +125,17 @@ def test_the_analysis_reads_each_loss_from_the_summaries(runs: dict[str, Path], 
     assert elastic.samples_over_time(runs["rejoin"])[1][-1] == 16 * 48  # the lost worker's step 5 is not in it
     figures, section = elastic.analyse(summaries, tmp_path)
     assert tmp_path / "elastic.png" in figures and "| ring | elastic | 1 |" in section
+
+
+@pytest.mark.unit
+def test_the_analysis_calls_a_recovery_first_to_target_only_outside_the_others_intervals() -> None:
+    times = {"elastic": [4.0, 5.0, 6.0], "restart": [10.0, 11.0, 12.0], "uninterrupted": [3.0, 5.0, 7.5]}
+    runs = pd.DataFrame([{"sync": "ring", "recovery": recovery, "seed": seed, "downtime_s": None, "redone_steps": None,
+                          "join_s": None, "time_to_target_s": t} for recovery, ts in times.items()
+                         for seed, t in enumerate(ts)])
+    rows = elastic.summary_rows(runs).set_index("recovery")
+    assert rows["verdict"].to_dict() == {"elastic": "best", "restart": "", "uninterrupted": "tie"}
+    assert rows.loc["elastic", "to_target"] == "5.00 (2.52-7.48)"
 
 
 def test_a_survivor_never_hangs_wherever_the_loss_strikes(tmp_path: Path) -> None:
