@@ -25,8 +25,9 @@ ELASTIC = ["world_size=4", "data.batch_size=12", "elastic.enabled=true", "elasti
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """ring, allreduce and ps losing worker 2 of 4 (ring at step 7 with commits every 3 steps, so
     that a completed step is rolled back; allreduce at step 0, before any commit; ps in sync mode on
-    two shards at step 5, and in SSP mode), ring losing it at step 5 and a newcomer taking its place
-    at step 10, and one process on the whole global batch for reference."""
+    two shards at step 5), ring and ps (sync mode, two shards) losing it at step 5 and a newcomer
+    taking its place at step 10, ps in SSP mode losing it at step 5 and a newcomer joining from step
+    10 on, and one process on the whole global batch for reference."""
     root = tmp_path_factory.mktemp("elastic")
     proc = run_cli([*ELASTIC, *QUICK, "sync=ring", "elastic.commit_every=3", "fault.step=7",
                     f"hydra.run.dir={root / 'ring'}"], cwd=root)
@@ -37,15 +38,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     proc = run_cli([*ELASTIC, *QUICK, "sync=ps", "sync.servers=2", "fault.step=5", f"hydra.run.dir={root / 'ps'}"],
                    cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = run_cli([*ELASTIC, *QUICK, "sync=ps", "sync.mode=ssp", "fault.step=5", f"hydra.run.dir={root / 'ssp'}"],
-                   cwd=root)
+    proc = run_cli([*ELASTIC, *QUICK, "sync=ps", "sync.mode=ssp", "fault.step=5", "elastic.rejoin_step=10",
+                    f"hydra.run.dir={root / 'ssp'}"], cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = run_cli([*ELASTIC, *QUICK, "sync=ring", "fault.step=5", "elastic.rejoin_step=10",
-                    f"hydra.run.dir={root / 'rejoin'}"], cwd=root)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name, sync in (("rejoin", ["sync=ring"]), ("ps_rejoin", ["sync=ps", "sync.servers=2"])):
+        proc = run_cli([*ELASTIC, *QUICK, *sync, "fault.step=5", "elastic.rejoin_step=10",
+                        f"hydra.run.dir={root / name}"], cwd=root)
+        assert proc.returncode == 0, proc.stderr[-3000:]
     proc = run_cli(["world_size=1", "data.batch_size=48", *QUICK, f"hydra.run.dir={root / 'one'}"], cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return {name: root / name for name in ("ring", "allreduce", "ps", "ssp", "rejoin", "one")}
+    return {name: root / name for name in ("ring", "allreduce", "ps", "ssp", "rejoin", "ps_rejoin", "one")}
 
 
 @pytest.mark.parametrize("sync", ["ring", "allreduce", "ps"])
@@ -75,12 +77,14 @@ def test_a_lost_worker_leaves_and_the_run_ends_with_the_uninterrupted_model(runs
     assert_nothing_left(job)
 
 
+@pytest.mark.parametrize("run", ["rejoin", "ps_rejoin"])
 def test_a_newcomer_takes_a_lost_workers_place_and_the_run_ends_with_the_uninterrupted_model(
-    runs: dict[str, Path],
+    runs: dict[str, Path], run: str,
 ) -> None:
     """4 -> 3 -> 4: worker 2 lost at step 5; a newcomer in its place receives the model and optimizer
-    state from a peer and takes part from step 10, with nothing done again."""
-    job = runs["rejoin"]
+    state from a peer (ring), or is admitted by the servers (ps), and takes part from step 10, with
+    nothing done again."""
+    job = runs[run]
     summary = read_json(job / "summary.json")
     assert summary["status"] == "ok" and summary["replicas_identical"], summary.get("error")
     assert relative_error(load_params(job), load_params(runs["one"])) < 1e-5
@@ -98,15 +102,21 @@ def test_a_newcomer_takes_a_lost_workers_place_and_the_run_ends_with_the_uninter
     assert_nothing_left(job)
 
 
-def test_ssp_workers_go_on_when_the_servers_drop_a_lost_one(runs: dict[str, Path]) -> None:
-    """No step waits for the lost worker: the survivors regroup at their next step, where they are."""
+def test_ssp_workers_go_on_when_the_servers_drop_a_lost_one_and_take_a_newcomer_in(runs: dict[str, Path]) -> None:
+    """No step waits for the lost worker: the survivors regroup at their next step, where they are.
+    The newcomer joins once every member has reached step 10 and knows of the loss, at the slowest
+    member's clock."""
     summary = read_json(runs["ssp"] / "summary.json")
     assert summary["status"] == "ok", summary.get("error")
-    change = summary["membership"][1]
-    assert change["members"] == [0, 1, 3] and change["interrupted_step"] is None and change["rolled_back_steps"] == 0
-    assert change["step"] >= 5 and change["regroup_s"] < 10
+    _, lost, joined = summary["membership"]
+    assert lost["members"] == [0, 1, 3] and lost["interrupted_step"] is None and lost["rolled_back_steps"] == 0
+    assert lost["step"] >= 5 and lost["regroup_s"] < 10
+    assert joined["members"] == [0, 1, 2, 3] and joined["joined"] == [2] and joined["rolled_back_steps"] == 0
+    assert joined["step"] >= 10 and joined["downtime_s"] < 15
     for worker in (0, 1, 3):
         assert [r["step"] for r in read_jsonl(runs["ssp"] / "metrics" / f"rank{worker}.jsonl")] == list(range(16))
+    newcomer = [r["step"] for r in read_jsonl(runs["ssp"] / "metrics" / "rank2.jsonl")]
+    assert newcomer[:5] == list(range(5)) and newcomer[5:] == list(range(newcomer[5], 16)) and newcomer[5] >= 10
     assert_nothing_left(runs["ssp"])
 
 
@@ -178,7 +188,7 @@ def test_below_min_workers_the_run_fails_and_says_why(tmp_path: Path) -> None:
         (["fault.rank=0"], "elastic.enabled with fault.rank=0"),
         (["launcher.max_restarts=1"], "elastic.enabled with launcher.max_restarts"),
         (["fault.step=8", "elastic.rejoin_step=8"], "set fault.step below elastic.rejoin_step"),
-        (["sync=ps", "fault.step=2", "elastic.rejoin_step=8"], "the parameter servers do not admit one"),
+        (["sync=ps", "sync.addresses=[127.0.0.1:1]"], "elastic.enabled with sync.addresses"),
     ],
 )
 def test_elastic_settings_that_cannot_run_are_refused_before_spawn(overrides: list[str], message: str) -> None:
@@ -188,8 +198,5 @@ def test_elastic_settings_that_cannot_run_are_refused_before_spawn(overrides: li
 
 
 @pytest.mark.unit
-def test_the_presets_recoveries_compose_and_a_newcomer_is_refused_the_parameter_servers() -> None:
-    assert check_command_line(["+experiment=elastic"]) == 3 * 4 * 3
-    assert check_command_line(["+experiment=elastic", "+recovery=rejoin", "sync=ring,allreduce"]) == 3 * 2
-    with pytest.raises(ConfigError, match="elastic.rejoin_step with sync=ps"):
-        check_command_line(["+experiment=elastic", "+recovery=rejoin", "sync=ps"])
+def test_the_presets_recoveries_compose_for_every_synchronizer() -> None:
+    assert check_command_line(["+experiment=elastic"]) == 3 * 4 * 4

@@ -161,10 +161,12 @@ def test_clocks_advance_and_shutdown_stops_the_shard(tmp_path: Path) -> None:
         worker.close()
 
 
-def test_a_lost_worker_leaves_and_the_step_short_of_its_push_is_pushed_again(tmp_path: Path) -> None:
+def test_a_lost_worker_leaves_and_a_newcomer_joins_at_a_step_boundary(tmp_path: Path) -> None:
     """elastic.enabled: Leave drops the lost worker from the barrier; the step it left short is
     dropped (its pushes' clocks undone, a pull waiting for it refused ABORTED), and the survivors
-    push it again in the new membership, whose update averages their two pushes alone."""
+    push it again in the new membership, whose update averages their two pushes alone. Join admits a
+    newcomer in its place only between steps, at the members' clock, and the next update averages
+    all three."""
     initial = torch.zeros(NUMEL)
     with servers(tmp_path, "sync", workers=3) as ps:
         workers = [client(ps, w) for w in range(3)]
@@ -189,6 +191,20 @@ def test_a_lost_worker_leaves_and_the_step_short_of_its_push_is_pushed_again(tmp
         workers[1].push([torch.full((NUMEL,), 4.0)], [0])
         assert workers[0].pull([pulled], 1).versions == [1]
         assert torch.equal(pulled, initial - LR * 3.0)  # the mean of the survivors' pushes
+        workers[0].push([torch.ones(NUMEL)], [1])
+        with pytest.raises(PsError, match="Join: FAILED_PRECONDITION: .* a newcomer joins at a step boundary"):
+            workers[0].join(2, 2)
+        workers[1].push([torch.ones(NUMEL)], [1])
+        assert workers[2].join(2, 2)[0].version == 2
+        assert list(workers[0].clock(0).clocks) == [2, 2, 2]
+        with pytest.raises(PsError, match="Join: FAILED_PRECONDITION: worker 2 is a member already"):
+            workers[0].join(2, 3)
+        for worker in workers:
+            worker.enter_epoch(2)
+        for w, value in enumerate((1.0, 2.0, 6.0)):
+            workers[w].push([torch.full((NUMEL,), value)], [2])
+        assert workers[2].pull([pulled], 3).versions == [3]
+        assert torch.equal(pulled, initial - LR * (3.0 + 1.0 + 3.0))  # the last update: the mean of three
         for worker in workers:
             worker.close()
 

@@ -37,6 +37,9 @@ def check_elastic(cfg: Any) -> None:
     why = SYNCHRONIZERS[sync].inelastic
     require(why is None, f"elastic.enabled with sync={sync}: {why}; use sync="
             + "|".join(name for name, spec in SYNCHRONIZERS.items() if spec.inelastic is None))
+    require(not cfg.sync.get("addresses"), "elastic.enabled with sync.addresses: the launcher tells the servers it "
+            "started of each membership change, and servers started elsewhere would wait for a lost worker for ever; "
+            "drop sync.addresses")
     require(cfg.network.name == "loopback", f"elastic.enabled with network={cfg.network.name}: the ranks' store is "
             "the launcher's, on loopback, which an emulated host's namespace cannot reach; use network=loopback")
     require(cfg.launcher.get("max_restarts", 0) == 0 and not (cfg.checkpoint.every or cfg.resume),
@@ -73,6 +76,7 @@ def _check_rejoin(cfg: Any) -> None:
     require(fault.name != "kill_rank" or (fault.step is not None and fault.step < step),
             f"elastic.rejoin_step={step} with fault.step={fault.step}: the newcomer takes the place of a worker "
             "lost before it joins; set fault.step below elastic.rejoin_step")
-    require(SYNCHRONIZERS[sync].servers is None, f"elastic.rejoin_step with sync={sync}: a newcomer joins the "
-            "all-reduce family (it receives the model from a peer); the parameter servers do not admit one; use sync="
-            + "|".join(n for n, s in SYNCHRONIZERS.items() if s.inelastic is None and s.servers is None))
+    servers = SYNCHRONIZERS[sync].servers
+    require(servers is None or servers.join is not None, f"elastic.rejoin_step with sync={sync}: its servers do not "
+            "admit a newcomer; use sync=" + "|".join(n for n, s in SYNCHRONIZERS.items() if s.inelastic is None
+                                                     and (s.servers is None or s.servers.join is not None)))

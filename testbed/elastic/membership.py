@@ -14,10 +14,14 @@ broadcasts parameters, buffers and optimizer state, and training goes on from th
 A step that was cut off inside a collective is done again by the new membership.
 
 A newcomer (``elastic.rejoin_step``) takes a lost worker's place: the launcher starts it at once,
-and it says when it is ready (``elastic/ready/...``). At the boundary before ``rejoin_step`` (a step
-every worker knows, so none is interrupted) the workers ask the launcher to admit it
-(``ADMIT_KEY``); the launcher announces the membership that does, and they form its group, commit
-the step before it and broadcast it as above: the newcomer takes part from ``rejoin_step`` on.
+and it says when it is ready (``elastic/ready/...``). At its first step boundary from
+``rejoin_step`` on at which it knows of the loss (in the all-reduce family and the servers' sync
+mode, the boundary before ``rejoin_step`` itself: every worker is there, so none is interrupted),
+each worker asks the launcher to admit it (``admit_key``) and waits. Once every member has asked,
+the launcher admits it to the parameter servers, if any, and announces the membership that has it.
+The members form its group, commit the step before it and broadcast it as above, and the newcomer
+takes part from the step after the commit. Beside parameter servers, which hold the model, only the
+buffers are broadcast, and the newcomer takes part from the step the servers admitted it at.
 """
 
 from __future__ import annotations
@@ -45,11 +49,15 @@ log = logging.getLogger("testbed")
 
 # Set by the launcher on a newcomer: the membership epoch announced when it was started.
 JOIN_ENV = "TESTBED_JOIN_AFTER_EPOCH"
-ADMIT_KEY = "elastic/admit"  # set by the workers at elastic.rejoin_step: admit the newcomers ready
 
 
 def epoch_key(epoch: int) -> str:
     return f"elastic/epoch/{epoch}"
+
+
+def admit_key(epoch: int) -> str:
+    """A counter: the members of membership ``epoch`` at elastic.rejoin_step, asking to admit the newcomers ready."""
+    return f"elastic/admit/{epoch}"
 
 
 def ready_key(worker: int, after: int) -> str:
@@ -140,7 +148,9 @@ class Membership:
         self.timeline: list[dict[str, Any]] = [{"epoch": self.epoch, "step": start_step, "world_size": world.world_size,
                                                 "members": self.members,
                                                 "cause": "start" if joined is None else joined["cause"]}]
-        self._resumed_at: dict[str, Any] | None = None  # the newest change, until its first step completes
+        # The changes since the last completed step (a loss, and a join right after it): each one's
+        # downtime runs to the next completed step.
+        self._resumed: list[dict[str, Any]] = []
         self.commit: Commit | None = None
         self._lock = threading.Lock()
         self._connections: dict[int, str] = {}  # fd -> its socket's inode link, of the current group
@@ -161,9 +171,9 @@ class Membership:
 
     def after_step(self, step: int) -> None:
         """Commit every ``commit_every`` steps; time the first step a new membership completes."""
-        if self._resumed_at is not None:
-            self._resumed_at["downtime_s"] = round(time.time() - self._resumed_at.pop("detected_at"), 3)
-            self._resumed_at = None
+        for change in self._resumed:
+            change["downtime_s"] = round(time.time() - change.pop("detected_at"), 3)
+        self._resumed.clear()
         if (step + 1) % self.commit_every == 0:
             self.save(step)
 
@@ -180,14 +190,22 @@ class Membership:
         return not isinstance(exc, RunFailure) and (lost_peer(message) or kind_of(exc) == "timeout")
 
     def due(self, step: int) -> bool:
-        """Regroup before ``step``: a newer membership is announced (seen by the watcher), or it is
-        ``elastic.rejoin_step`` and newcomers wait to take lost workers' places."""
-        return self._news.is_set() or (step == self.rejoin_step and len(self.members) < self.world_size)
+        """Regroup before ``step``: a newer membership is announced (seen by the watcher), or newcomers
+        may take lost workers' places."""
+        return self._news.is_set() or self._admitting(step)
 
-    def admitted(self) -> int:
-        """A newcomer, after its synchronizer's setup over the admitting membership: receive the
-        peers' commit; the step to take part from."""
-        return self._restore() + 1
+    def _admitting(self, step: int) -> bool:
+        """From ``elastic.rejoin_step`` on, a membership short of a lost worker admits its newcomer."""
+        return self.rejoin_step is not None and step >= self.rejoin_step and len(self.members) < self.world_size
+
+    def admitted(self, resume: int | None) -> int:
+        """A newcomer, after its synchronizer's setup over the admitting membership and its
+        ``resume`` step (None: the replicas hold the model): receive the peers' commit, or only their
+        buffers; the step to take part from."""
+        if resume is None:
+            return self._restore() + 1
+        self._share_buffers()
+        return resume
 
     def regroup(self, step: int, exc: BaseException | None, rebuild: Callable[[World, int], int | None]) -> int:
         """Wait for the next membership (``exc``: the failure that ``step`` ended in; None: announced
@@ -196,19 +214,23 @@ class Membership:
         where the servers are) or, where it returns None, the one after the newest commit, restored.
         Raises ``MembershipLost`` when none is announced in time."""
         asked = time.time()  # a join's pause starts here, at the boundary: the newcomer started long before
-        if exc is None and step == self.rejoin_step:
-            self._store.set(ADMIT_KEY, str(step))
+        asking = exc is None and self._admitting(step)
+        if asking:
+            self._store.add(admit_key(self.epoch), 1)
         while True:
-            announced = self._announced(exc)
+            announced = self._announced(exc, asking)
             if is_join(announced):  # every peer is at this boundary: nothing is done again
                 self.save(step - 1)
                 announced["detected_at"] = asked
+            admits = bool(set(announced["members"]) - set(self.members))
             try:
                 self._form(announced)
                 formed = time.time()
                 resume = rebuild(self.world, self.epoch)
                 if resume is None:
                     resume = self._restore() + 1
+                elif admits:  # the servers hold the model: a newcomer needs the buffers
+                    self._share_buffers()
             except Exception as again:  # another worker lost while forming this one
                 if not self.recoverable(again):
                     raise
@@ -221,20 +243,22 @@ class Membership:
                       "regroup_s": round(formed - announced["detected_at"], 3),
                       "detected_at": announced["detected_at"]}
             self.timeline.append(change)
-            self._resumed_at = change
+            self._resumed.append(change)
             log.warning("membership %d: workers %s go on from step %d (%s)", self.epoch, self.members, resume,
                         announced["cause"])
             return resume
 
     # --- the new membership ---------------------------------------------------------------------
 
-    def _announced(self, exc: BaseException | None) -> dict[str, Any]:
+    def _announced(self, exc: BaseException | None, asking: bool) -> dict[str, Any]:
+        """The next membership, announced; ``asking``: this worker asked to admit newcomers."""
         try:
             self._store.wait([epoch_key(self.epoch + 1)], timedelta(seconds=self.timeout_s))
         except dist.DistStoreError:
-            if exc is None:  # the members asked at elastic.rejoin_step
-                raise MembershipLost(f"worker {self.worker}: at elastic.rejoin_step={self.rejoin_step} no newcomer "
-                                     f"was ready within timeouts.collective_s={self.timeout_s:g}") from None
+            if asking:
+                raise MembershipLost(f"worker {self.worker}: from elastic.rejoin_step={self.rejoin_step} on no "
+                                     f"newcomer was admitted within timeouts.collective_s={self.timeout_s:g} (not "
+                                     "ready, or a member never reached a step boundary to ask)") from None
             raise MembershipLost(f"worker {self.worker}: a collective failed ({exc}) and no new membership was "
                                  f"announced within timeouts.collective_s={self.timeout_s:g}") from exc
         return newest_announcement(self._store, self.epoch + 1)
@@ -268,6 +292,12 @@ class Membership:
         self.optimizer.load_state_dict(copy.deepcopy(commit.optimizer))
         self.commit = commit
         return commit.step
+
+    def _share_buffers(self) -> None:
+        """Rank 0's buffers (BatchNorm's running statistics) on every rank: where the servers hold the
+        parameters, all a newcomer lacks."""
+        for buffer in self.model.buffers():
+            dist.broadcast(buffer, src=0)
 
     # --- the watcher ----------------------------------------------------------------------------
 

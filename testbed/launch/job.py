@@ -190,12 +190,14 @@ def _attempt(
             launch = (rank_main, (plain, str(job_dir), identity), cfg.world_size, job_dir / "logs")
             if cfg.elastic.enabled:  # ranks that may leave without stopping the others
                 leave = spec.servers.leave if servers and spec.servers else None
+                join = spec.servers.join if servers and spec.servers else None
                 results = supervise_world(
                     *launch, int(cfg.elastic.min_workers),
                     on_lost=(lambda worker, epoch: leave(plain, env, worker, epoch)) if leave else None,
+                    on_joined=(lambda worker, epoch: join(plain, env, worker, epoch)) if join else None,
                     rendezvous_timeout_s=cfg.timeouts.rendezvous_s,
                     echo_rank0=cfg.launcher.echo_rank0, monitor_interval_s=cfg.launcher.monitor_interval_s, env=env,
-                    rejoin=cfg.elastic.rejoin_step is not None,
+                    rejoin_step=cfg.elastic.rejoin_step,
                 )
             else:
                 results = spawn_world(

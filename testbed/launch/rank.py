@@ -125,7 +125,8 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
             if sync.replicas_hold_state:
                 membership.arm()
             if joined is not None:  # the peers' model and optimizer state, and the step they go on from
-                resumed = membership.admitted()
+                # where the servers hold the model, its pull at the step they admitted it at
+                resumed = membership.admitted(None if sync.replicas_hold_state else sync.regroup(world, joined["epoch"]))
                 earlier = [r for r in read_step_records(metrics_path(Path(job_dir), rank)) if r.step < resumed]
         # The replicas were built alike from one seed; from here on each rank draws its own
         # randomness (dropout masks), as separate machines would.

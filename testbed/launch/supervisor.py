@@ -25,6 +25,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -32,7 +33,7 @@ from typing import Any, TextIO
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from testbed.elastic.membership import ADMIT_KEY, JOIN_ENV, epoch_key, ready_key
+from testbed.elastic.membership import JOIN_ENV, admit_key, epoch_key, ready_key
 from testbed.launch import rank_server
 from testbed.launch.spawn import RankFailure, launch_environment, loopback_env
 from testbed.rank_failure import recorded
@@ -53,12 +54,14 @@ def supervise_world(
     echo_rank0: bool = False,
     monitor_interval_s: float = 0.1,
     env: dict[str, str] | None = None,
-    rejoin: bool = False,
+    rejoin_step: int | None = None,
+    on_joined: Callable[[int, int], None] | None = None,
 ) -> dict[int, Any]:
     """Run ``entry(*args)`` in ``nproc`` ranks that may leave; return ``{0: worker 0's return value}``.
     ``on_lost(worker, epoch)`` tells the rest of the job (parameter servers) of a lost worker before
-    membership ``epoch`` is announced. ``rejoin``: a newcomer is started in each lost worker's place
-    (elastic.rejoin_step). Raises ``RankFailure`` naming the worker whose failure ended the run."""
+    membership ``epoch`` is announced. ``rejoin_step``: a newcomer is started in each lost worker's
+    place, and admitted from that step on; ``on_joined(worker, epoch)`` admits it to the rest of
+    the job before the membership is announced. Raises ``RankFailure`` naming the worker whose failure ended the run."""
     log_dir.mkdir(parents=True, exist_ok=True)
     rank_server.start_rank_server(entry.__module__)
     context = multiprocessing.get_context("forkserver")
@@ -87,8 +90,9 @@ def supervise_world(
             for rank in range(nproc):
                 start(rank, {})
             echo = _Echo(run_dir / "0" / "stdout.log") if echo_rank0 else None
-            newcomers = (lambda worker, epoch: start(worker, {JOIN_ENV: str(epoch)})) if rejoin else None
-            return _Watch(ranks, store, min_workers, on_lost, newcomers, log_dir, echo).run(monitor_interval_s)
+            rejoin = None if rejoin_step is None else _Rejoin(
+                lambda worker, epoch: start(worker, {JOIN_ENV: str(epoch)}), on_joined)
+            return _Watch(ranks, store, min_workers, on_lost, rejoin, log_dir, echo).run(monitor_interval_s)
     finally:
         signal.signal(signal.SIGTERM, previous)
         _stop([process for process, _ in ranks.values()])
@@ -97,14 +101,24 @@ def supervise_world(
         del store  # its server thread and port go with it
 
 
+@dataclass
+class _Rejoin:
+    """elastic.rejoin_step: ``start(worker, epoch)`` starts a newcomer in a lost worker's place after
+    membership ``epoch``; once the members ask, ``on_joined(worker, epoch)`` admits it to the rest of
+    the job (parameter servers), and then the membership ``epoch`` announced does."""
+
+    start: Callable[[int, int], None]
+    on_joined: Callable[[int, int], None] | None
+
+
 class _Watch:
     """The launcher's loop: each rank's exit, each newcomer's readiness, and the memberships they make."""
 
     def __init__(self, ranks: dict[int, tuple[Any, Connection]], store: Any, min_workers: int,
-                 on_lost: Callable[[int, int], None] | None, newcomers: Callable[[int, int], None] | None,
-                 log_dir: Path, echo: _Echo | None) -> None:
+                 on_lost: Callable[[int, int], None] | None, rejoin: _Rejoin | None, log_dir: Path,
+                 echo: _Echo | None) -> None:
         self.ranks, self.store, self.min_workers = ranks, store, min_workers
-        self.on_lost, self.newcomers, self.log_dir, self.echo = on_lost, newcomers, log_dir, echo
+        self.on_lost, self.rejoin, self.log_dir, self.echo = on_lost, rejoin, log_dir, echo
         self.members = set(ranks)  # the workers of the newest membership (announced)
         self.waiting: dict[int, int] = {}  # newcomer -> the epoch it was started after, until admitted
         self.results: dict[int, Any] = {}
@@ -125,8 +139,8 @@ class _Watch:
                 live.discard(rank)
                 if process.exitcode != 0:
                     self._lost(rank, process)
-                    if self.newcomers is not None:
-                        self.newcomers(rank, self.epoch)
+                    if self.rejoin is not None:
+                        self.rejoin.start(rank, self.epoch)
                         self.waiting[rank] = self.epoch
                         live.add(rank)
             self._admit()
@@ -164,18 +178,27 @@ class _Watch:
         log.warning("worker %d lost (%s): membership %d goes on with workers %s", rank, cause, self.epoch, survivors)
 
     def _admit(self) -> None:
-        """Once the workers ask (at elastic.rejoin_step), announce the membership that admits the
-        newcomers ready to join; one started later waits until the run ends, never admitted."""
-        if not self.waiting or not self.store.check([ADMIT_KEY]):
+        """Once every member has asked (from elastic.rejoin_step on: each waits at a step boundary),
+        admit the newcomers ready to join, to the rest of the job and then in the membership
+        announced; one started later waits until the run ends, never admitted."""
+        if not self.waiting or not self.store.check([admit_key(self.epoch)]):
+            return
+        if self.store.add(admit_key(self.epoch), 0) < len(self.members):
             return
         ready = sorted(w for w, after in self.waiting.items() if self.store.check([ready_key(w, after)]))
         if not ready:
             return
-        self.store.delete_key(ADMIT_KEY)
+        assert self.rejoin is not None  # only its newcomers wait
+        self.epoch += 1
         for worker in ready:
             del self.waiting[worker]
+            if self.rejoin.on_joined is not None:
+                try:
+                    self.rejoin.on_joined(worker, self.epoch)
+                except Exception as exc:
+                    raise RankFailure(worker, f"the newcomer in worker {worker}'s place: the servers could not admit "
+                                              f"it: {exc}") from exc
         self.members.update(ready)
-        self.epoch += 1
         cause = f"worker{'s' if len(ready) > 1 else ''} {', '.join(map(str, ready))} joined (a newcomer in a lost place)"
         self._announce({"members": sorted(self.members), "lost": [], "joined": ready, "cause": cause,
                         "detected_at": time.time()})

@@ -187,6 +187,12 @@ class PsClient:
         return self._each(lambda i: self._call(i, "Leave", lambda: self.stubs[i].Leave(
             request, timeout=self.timeout_s, metadata=self.metadata)))
 
+    def join(self, worker: int, epoch: int) -> list[pb.ShardInfo]:
+        """Every shard admits ``worker``, a newcomer, from membership ``epoch`` on (the launcher's call)."""
+        request = pb.JoinRequest(worker=worker, epoch=epoch)
+        return self._each(lambda i: self._call(i, "Join", lambda: self.stubs[i].Join(
+            request, timeout=self.timeout_s, metadata=self.metadata)))
+
     def stats(self) -> list[pb.StatsReply]:
         return self._each(lambda i: self._call(i, "Stats", lambda: self.stubs[i].Stats(
             pb.StatsRequest(), timeout=self.timeout_s, metadata=self.metadata)))

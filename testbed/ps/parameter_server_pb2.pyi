@@ -136,6 +136,14 @@ class LeaveRequest(_message.Message):
     epoch: int
     def __init__(self, worker: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
+class JoinRequest(_message.Message):
+    __slots__ = ("worker", "epoch")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    worker: int
+    epoch: int
+    def __init__(self, worker: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
 class ShutdownRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

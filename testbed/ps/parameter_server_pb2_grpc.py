@@ -69,6 +69,11 @@ class ParameterServerStub:
                 request_serializer=parameter__server__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=parameter__server__pb2.ShardInfo.FromString,
                 _registered_method=True)
+        self.Join = channel.unary_unary(
+                '/testbed.ps.ParameterServer/Join',
+                request_serializer=parameter__server__pb2.JoinRequest.SerializeToString,
+                response_deserializer=parameter__server__pb2.ShardInfo.FromString,
+                _registered_method=True)
         self.Shutdown = channel.unary_unary(
                 '/testbed.ps.ParameterServer/Shutdown',
                 request_serializer=parameter__server__pb2.ShutdownRequest.SerializeToString,
@@ -128,6 +133,14 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Join(self, request, context):
+        """elastic.rejoin_step: the launcher admits a newcomer in a lost worker's place while every member
+        waits at a step boundary (no push is in progress). Its clock starts at the slowest member's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Shutdown(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -170,6 +183,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
             'Leave': grpc.unary_unary_rpc_method_handler(
                     servicer.Leave,
                     request_deserializer=parameter__server__pb2.LeaveRequest.FromString,
+                    response_serializer=parameter__server__pb2.ShardInfo.SerializeToString,
+            ),
+            'Join': grpc.unary_unary_rpc_method_handler(
+                    servicer.Join,
+                    request_deserializer=parameter__server__pb2.JoinRequest.FromString,
                     response_serializer=parameter__server__pb2.ShardInfo.SerializeToString,
             ),
             'Shutdown': grpc.unary_unary_rpc_method_handler(
@@ -366,6 +384,33 @@ class ParameterServer:
             target,
             '/testbed.ps.ParameterServer/Leave',
             parameter__server__pb2.LeaveRequest.SerializeToString,
+            parameter__server__pb2.ShardInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Join(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/testbed.ps.ParameterServer/Join',
+            parameter__server__pb2.JoinRequest.SerializeToString,
             parameter__server__pb2.ShardInfo.FromString,
             options,
             channel_credentials,

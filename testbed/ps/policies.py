@@ -82,6 +82,12 @@ class Policy(ABC):
     def leave(self, worker: int) -> None:
         """(Under the lock) ``worker`` has left the run (elastic.enabled): the shard's members no longer have it."""
 
+    def check_join(self, worker: int, clock: int) -> None:
+        """(Under the lock) refuse a newcomer admitted at ``clock`` where the mode cannot take it in."""
+
+    def join(self, worker: int) -> None:
+        """(Under the lock) ``worker``, a newcomer, is a member from now on (elastic.rejoin_step)."""
+
     @abstractmethod
     def commit(self, worker: int, base: int) -> int:
         """``worker``'s push on version ``base`` is staged and counted: apply it, or not yet, and
@@ -163,6 +169,17 @@ class Sync(Policy):
             shard.clocks[w] -= 1
             shard.staged[w] = []
         shard.pending.clear()
+
+    def check_join(self, worker: int, clock: int) -> None:
+        """A newcomer starts a step: it joins none that a member has pushed."""
+        shard = self.shard
+        if shard.pending or shard.pushing or clock != shard.version:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"worker {worker} at clock {clock}, but the shard is at version {shard.version} with "
+                          f"{len(shard.pending | shard.pushing)} pushes of it in: a newcomer joins at a step boundary")
+
+    def join(self, worker: int) -> None:
+        self.needed = len(self.shard.members) - self.shard.backup_workers
 
     def update_due(self) -> bool:
         """(Under the lock) a completed step waits for its update."""

@@ -88,6 +88,9 @@ class Servicer(pb_grpc.ParameterServerServicer):
     def Leave(self, request, context):  # noqa: N802
         return self._guard(context, lambda: self.shard.leave(_parsed(request)))
 
+    def Join(self, request, context):  # noqa: N802
+        return self._guard(context, lambda: self.shard.join(_parsed(request)))
+
     def Stats(self, request, context):  # noqa: N802
         self._guard(context, lambda: _parsed(request))
         return self.shard.stats_reply()
@@ -136,6 +139,7 @@ def add_servicer(
         "Pull": grpc.unary_stream_rpc_method_handler(servicer.Pull, _lenient(pb.PullRequest), encode),
         "Clock": std(servicer.Clock, _lenient(pb.ClockRequest), pb.ClockReply.SerializeToString),
         "Leave": std(servicer.Leave, _lenient(pb.LeaveRequest), pb.ShardInfo.SerializeToString),
+        "Join": std(servicer.Join, _lenient(pb.JoinRequest), pb.ShardInfo.SerializeToString),
         "Stats": std(servicer.Stats, _lenient(pb.StatsRequest), pb.StatsReply.SerializeToString),
         "Shutdown": std(servicer.Shutdown, _lenient(pb.ShutdownRequest), pb.ShutdownReply.SerializeToString),
     }

@@ -413,6 +413,27 @@ class Shard:
                 self.cond.notify_all()
         return self.info()
 
+    def join(self, request: pb.JoinRequest) -> pb.ShardInfo:
+        """Admit a newcomer in a lost worker's place (elastic.rejoin_step) while every member waits at
+        a step boundary: from membership ``epoch`` on it counts among the members, its clock (the
+        step it takes part from) the slowest member's: in sync mode every member's, and under SSP
+        one that holds nobody back."""
+        with self.cond:
+            worker = request.worker
+            check_worker(worker, self.workers)
+            if request.epoch > self.epoch:
+                if worker in self.members:
+                    raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"worker {worker} is a member already")
+                clock = min(self.clocks[w] for w in self.members)
+                self.policy.check_join(worker, clock)
+                self.epoch = request.epoch
+                self.members.add(worker)
+                self.clocks[worker] = clock
+                self.staged[worker], self.local_sq[worker] = [], None
+                self.policy.join(worker)
+                self.cond.notify_all()
+        return self.info()
+
     # --- clocks, stats --------------------------------------------------------------------------
 
     def clock(self, request: pb.ClockRequest) -> pb.ClockReply:

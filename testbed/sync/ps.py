@@ -43,7 +43,7 @@ from testbed.costs import Cost, parameter_server
 from testbed.ps.modes import CHUNK_KB, MAX_CHUNK_KB, MODES, STALENESS
 from testbed.sync.base import GradReadiness, Synchronizer, SyncReport, flat_views, holding
 from testbed.sync.spec import Servers, SimModel, SyncBase, SyncSpec
-from testbed.world import World
+from testbed.world import World, env_rank_layout
 
 if TYPE_CHECKING:
     from testbed.ps.wire import StepNorms
@@ -78,6 +78,7 @@ class ParameterServerSync(Synchronizer):
     replicas_hold_state = False  # the servers hold the model: a new membership goes on where they are
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> None:
+        from testbed.elastic.membership import joining
         from testbed.ps.client import PsClient  # gRPC loads on the ranks that use it
         from testbed.ps.wire import tls_of, token_from_env
 
@@ -100,30 +101,36 @@ class ParameterServerSync(Synchronizer):
         self._local_sq: float | None = None
         self._norms: list[StepNorms | None] = []
 
-        self.client = PsClient(list(self.cfg.addresses), token_from_env(), world.rank, world.timeout_s,
+        # A newcomer (elastic.rejoin_step) joins a running job: the servers admitted it under its worker's
+        # name, which its rank in the admitting membership need not be, at the members' step.
+        newcomer = joining() is not None
+        worker, world_size = env_rank_layout()[0::2] if newcomer else (world.rank, world.world_size)
+        self.client = PsClient(list(self.cfg.addresses), token_from_env(), worker, world.timeout_s,
                                self.cfg.chunk_kb * 1024, tls_of(self.cfg)[2])
         infos = self.client.register(wait_s=world.timeout_s)
         self.backup = int(self.cfg.backup_workers)
         self.needed = world.world_size - self.backup  # gradients a step's update takes
         for i, info in enumerate(infos):
-            if info.workers != world.world_size or info.mode != self.cfg.mode or info.backup_workers != self.backup:
+            if info.workers != world_size or info.mode != self.cfg.mode or info.backup_workers != self.backup:
                 raise ValueError(
                     f"ps shard {i} at {self.cfg.addresses[i]} expects {info.workers} workers in mode {info.mode} with "
-                    f"{info.backup_workers} backup workers; this run has world_size={world.world_size}, "
+                    f"{info.backup_workers} backup workers; this run has world_size={world_size}, "
                     f"sync.mode={self.cfg.mode}, sync.backup_workers={self.backup}"
                 )
         self.overlap = bool(self.cfg.overlap) and servers > 1
         if self.overlap:
             self._watch_shards(model, bounds)
+        # compress.pull: decoders of the shards' encoded updates (a worker's first and last pulls are whole)
+        self.decoders = None
+        if self.codecs is not None and self.compress.get("pull"):
+            self.decoders = [build_codec(self.compress, p, [p.shape], i, world.rank, self.seed) for i, p in enumerate(self.param_shards)]
+        if newcomer:  # the members are past the start: regroup, in the admitting membership, pulls where they are
+            return
         if world.rank == 0 and infos[0].version == 0:  # a shard restored from a checkpoint holds its own
             self.client.init_params(self.param_shards)
         dist.barrier()  # every shard holds the initial parameters before anyone pulls
         # Steps this worker has pushed: 0, or a restored shard's count at the step the run resumes from.
         self.clock = int(self.client.clock(0).clocks[world.rank])
-        # compress.pull: decoders of the shards' encoded updates (a worker's first and last pulls are whole)
-        self.decoders = None
-        if self.codecs is not None and self.compress.get("pull"):
-            self.decoders = [build_codec(self.compress, p, [p.shape], i, world.rank, self.seed) for i, p in enumerate(self.param_shards)]
         self.versions = self.client.pull(self.param_shards, self.clock, full=True).versions
         self._params_up()
 
@@ -131,8 +138,9 @@ class ParameterServerSync(Synchronizer):
         """Go on in membership ``epoch`` (elastic.enabled) from where the servers are: the launcher
         has dropped the lost worker from them, and a step short of its pushes was dropped with it
         (testbed.ps.policies), so this worker's clock (its pushes the servers count) is the step to
-        go on from. A lost worker whose push reached some shards' completed step and not others'
-        leaves the shards at different steps, which no step can go on from."""
+        go on from (a newcomer's: the step the servers admitted it at). A lost worker whose push
+        reached some shards' completed step and not others' leaves the shards at different steps,
+        which no step can go on from."""
         from testbed.elastic.membership import MembershipLost
 
         self.world, self.needed = world, world.world_size - self.backup
@@ -435,6 +443,19 @@ def _unmeasured(cfg: Any) -> str | None:
 
 def _leave(plain: dict[str, Any], env: dict[str, str], worker: int, epoch: int) -> None:
     """Servers.leave: every shard drops ``worker``, lost (elastic.enabled)."""
+    with _launcher_client(plain, env) as client:
+        client.leave(worker, epoch)
+
+
+def _join(plain: dict[str, Any], env: dict[str, str], worker: int, epoch: int) -> None:
+    """Servers.join: every shard admits ``worker``, a newcomer (elastic.rejoin_step)."""
+    with _launcher_client(plain, env) as client:
+        client.join(worker, epoch)
+
+
+@contextmanager
+def _launcher_client(plain: dict[str, Any], env: dict[str, str]) -> Iterator[Any]:
+    """The launcher's connection to the servers it started, for a membership change."""
     from testbed.ps.client import PsClient
     from testbed.ps.wire import TOKEN_ENV, tls_of
 
@@ -442,7 +463,7 @@ def _leave(plain: dict[str, Any], env: dict[str, str], worker: int, epoch: int) 
     client = PsClient(list(sync["addresses"]), env[TOKEN_ENV], 0, float(plain["timeouts"]["collective_s"]),
                       int(sync["chunk_kb"]) * 1024, tls_of(sync)[2])
     try:
-        client.leave(worker, epoch)
+        yield client
     finally:
         client.close()
 
@@ -477,6 +498,7 @@ SPEC = SyncSpec(
         count=lambda cfg: 0 if cfg.sync.addresses else int(cfg.sync.servers),
         start=_start_servers,
         leave=_leave,
+        join=_join,
         apart="start the servers with python -m testbed.ps.server and pass sync.addresses=[host:port,...] "
               "(and TESTBED_PS_TOKEN on servers and workers; with a codec, the servers' --compress and --seed)",
     ),
