@@ -19,6 +19,7 @@ from testbed.balance import Balancer
 from testbed.buffers import BufferSync
 from testbed.data import BatchSource
 from testbed.elastic.membership import Membership
+from testbed.elastic.regroup import Regrouper
 from testbed.eval.evaluate import Evaluator
 from testbed.eval.schedule import LrSchedule
 from testbed.faults import FaultInjector, NonFiniteLoss
@@ -63,7 +64,7 @@ class Trainer:
         balancer: Balancer | None = None,
         clock_origin: float | None = None,
         membership: Membership | None = None,
-        on_regroup: Callable[[World, int], tuple[int | None, float]] | None = None,
+        regrouper: Regrouper | None = None,
     ) -> None:
         # The model is the synchronizer's (sync.module): a wrapper such as DDP may stand in front of it.
         self.optimizer, self.sync, self.batches = optimizer, sync, batches
@@ -85,9 +86,8 @@ class Trainer:
         self.evaluator = evaluator  # held-out evaluation every eval.every steps, and the target (testbed.eval)
         self.noise = noise  # the gradient noise scale's estimate (testbed.stats.noise_scale)
         self.balancer = balancer  # re-decides the ranks' batches from their speeds (testbed.balance)
-        # elastic.enabled: the run's membership (testbed.elastic), and what rebuilds the rank's parts
-        # for a new one: (the synchronizer's step to go on from, or None; the rank's loss weight)
-        self.membership, self.on_regroup = membership, on_regroup
+        # elastic.enabled: the run's membership (testbed.elastic), and what rebuilds the rank's parts for a new one
+        self.membership, self.regrouper = membership, regrouper
         # This rank's name in the records (its rank at the start), whatever its rank in later memberships.
         self.worker = membership.worker if membership is not None else world.rank
         self.began = time.perf_counter()  # the run's clock (MLPerf's: it never stops, evaluation included)
@@ -200,16 +200,17 @@ class Trainer:
         """A worker was lost (``step`` failed on it, or it was announced before ``step``), or newcomers
         join before ``step``: go on in the next membership; the records of the steps it does again
         are dropped."""
-        assert self.membership is not None and self.on_regroup is not None
-        on_regroup = self.on_regroup
+        assert self.membership is not None and self.regrouper is not None
+        regrouper = self.regrouper
 
         def rebuild(world: World, epoch: int) -> int | None:
             self.world = world
-            resume, self.loss_weight = on_regroup(world, epoch)
+            resume = regrouper.rebuild(world, epoch)
             self.sync.zero_grad()
             return resume
 
         resume = self.membership.regroup(step, exc, rebuild)
+        self.loss_weight, self.schedule = regrouper.resumed(resume)
         records[:] = [r for r in records if r.step < resume]
         return resume
 

@@ -113,7 +113,7 @@ def _store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
     authentication; or, under the elastic launcher (``LAUNCHER_STORE_ENV``), the launcher's, which
     outlives any rank."""
     if os.environ.get(LAUNCHER_STORE_ENV) == "1":
-        return dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), None, is_master=False, timeout=timeout)
+        return launcher_store(timeout)
     if os.environ.get(LOOPBACK_STORE_ENV) != "1":
         store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
         return store
@@ -123,12 +123,19 @@ def _store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
     return dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
 
 
-def loopback_store(port: int, world_size: int | None, timeout: timedelta) -> dist.TCPStore:
-    """A TCPStore served on ``127.0.0.1:port`` (0: a free port, its ``.port``), waiting for
-    ``world_size`` clients (None: for none). torch binds its own stores to every interface; given
-    a socket bound by the caller, it serves on that one."""
-    listening = socket.create_server(("127.0.0.1", port), backlog=128)
-    return dist.TCPStore("127.0.0.1", listening.getsockname()[1], world_size, is_master=True, timeout=timeout,
+def launcher_store(timeout: timedelta) -> dist.TCPStore:
+    """A client of the elastic launcher's store (testbed.launch.supervisor), at ``MASTER_ADDR``:
+    loopback, or its address on an emulated network."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, is_master=False,
+                         timeout=timeout)
+
+
+def loopback_store(port: int, world_size: int | None, timeout: timedelta, host: str = "127.0.0.1") -> dist.TCPStore:
+    """A TCPStore served on ``host:port`` (loopback by default; port 0: a free one, its ``.port``),
+    waiting for ``world_size`` clients (None: for none). torch binds its own stores to every
+    interface; given a socket bound by the caller, it serves on that one."""
+    listening = socket.create_server((host, port), backlog=128)
+    return dist.TCPStore(host, listening.getsockname()[1], world_size, is_master=True, timeout=timeout,
                          wait_for_workers=world_size is not None, multi_tenant=True,
                          master_listen_fd=listening.detach())  # the store owns the socket now
 

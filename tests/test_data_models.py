@@ -27,6 +27,35 @@ def test_rank_batches_concatenate_to_the_single_process_batch(n: int) -> None:
         assert torch.equal(torch.cat([s.indices(step) for s in shards]), single.indices(step))
 
 
+def test_a_global_batch_that_changes_goes_on_through_the_order_and_a_rollback_redoes_its_segment() -> None:
+    """elastic.batch=keep_local: 4 workers of 3 samples, 3 from batch 5 on (one lost), 4 again from
+    batch 9; the 3 were rolled back to batch 7 first. Every batch continues the one sample order
+    where the last left it, so the run's batches are that order, without a sample twice or left out."""
+    x, y = torch.arange(23).float().unsqueeze(1), torch.arange(23)
+    order = RankBatches(x, y, [1], rank=0, seed=3)
+    stream = torch.cat([order.indices(i) for i in range(3 * 4 * 12)])  # the sample order, position by position
+    workers = [RankBatches(x, y, [3] * 4, rank=r, seed=3) for r in range(4)]
+    taken = []
+
+    def run(batches: range, members: list[int]) -> None:
+        for i in batches:
+            taken.extend(torch.cat([workers[w].indices(i) for w in members]).tolist())
+
+    run(range(5), [0, 1, 2, 3])
+    for rank, w in enumerate((0, 1, 3)):
+        workers[w].rebatch(5, [3] * 3, rank)
+    run(range(5, 8), [0, 1, 3])
+    for rank, w in enumerate((0, 1, 3)):  # rolled back to the commit after batch 6: batch 7 again
+        workers[w].rebatch(7, [3] * 3, rank)
+    del taken[-9:]
+    run(range(7, 9), [0, 1, 3])
+    workers[2].segments = workers[0].segments  # a newcomer takes the order's segments so far
+    for w in range(4):
+        workers[w].rebatch(9, [3] * 4, w)
+    run(range(9, 12), [0, 1, 2, 3])
+    assert taken == stream[: 5 * 12 + 4 * 9 + 3 * 12].tolist()
+
+
 def test_every_epoch_is_a_permutation() -> None:
     stream = RankBatches(torch.zeros(10, 1), torch.zeros(10), [5], rank=0, seed=0)
     first_epoch = torch.cat([stream.indices(0), stream.indices(1)])

@@ -4,6 +4,7 @@ ends with the model of an uninterrupted run; the survivors never wait out a time
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pandas as pd
@@ -77,6 +78,26 @@ def test_a_lost_worker_leaves_and_the_run_ends_with_the_uninterrupted_model(runs
     assert_nothing_left(job)
 
 
+def test_keep_local_keeps_each_workers_batch_and_scales_the_rate_with_the_membership(tmp_path: Path) -> None:
+    """4 -> 3 -> 4 workers of 10 samples (40 does not divide by 3: keep_global would be refused):
+    every worker's batch stays 10, and the linear scaling rule's rate follows the global batch."""
+    job = tmp_path / "job"
+    proc = run_cli([*ELASTIC, *QUICK, "data.batch_size=10", "elastic.batch=keep_local", "optim.lr_scaling=linear",
+                    "optim.lr=0.01", "sync=ring", "fault.step=5", "elastic.rejoin_step=10", f"hydra.run.dir={job}"],
+                   cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_json(job / "summary.json")
+    assert summary["status"] == "ok" and summary["replicas_identical"], summary.get("error")
+    assert [(c["step"], c["world_size"]) for c in summary["membership"]] == [(0, 4), (5, 3), (10, 4)]
+    for worker in (0, 1, 3):
+        records = read_jsonl(job / "metrics" / f"rank{worker}.jsonl")
+        assert [r["step"] for r in records] == list(range(16)) and {r["samples"] for r in records} == {10}
+        # base_batch is data.batch_size, so the peak rate is optim.lr times the workers
+        assert [round(r["lr"] / 0.01, 6) for r in records] == [4.0] * 5 + [3.0] * 5 + [4.0] * 6
+    assert [r["step"] for r in read_jsonl(job / "metrics" / "rank2.jsonl")] == [*range(5), *range(10, 16)]
+    assert_nothing_left(job)
+
+
 @pytest.mark.parametrize("run", ["rejoin", "ps_rejoin"])
 def test_a_newcomer_takes_a_lost_workers_place_and_the_run_ends_with_the_uninterrupted_model(
     runs: dict[str, Path], run: str,
@@ -99,6 +120,23 @@ def test_a_newcomer_takes_a_lost_workers_place_and_the_run_ends_with_the_uninter
     for worker in (0, 1, 3):
         samples = {r["step"]: r["samples"] for r in read_jsonl(job / "metrics" / f"rank{worker}.jsonl")}
         assert sorted(samples) == list(range(16)) and {samples[s] for s in range(5, 10)} == {16}
+    assert_nothing_left(job)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="an emulated network needs root (namespaces, tc)")
+def test_over_an_emulated_network_a_worker_leaves_and_a_newcomer_joins(runs: dict[str, Path], tmp_path: Path) -> None:
+    """The launcher's store listens in a namespace of its own, which the ranks' namespaces reach, and
+    the servers hear of each change from the workers: 4 -> 3 -> 4 over 1 Gbit links ends with the
+    uninterrupted model, and takes every namespace down with it."""
+    job = tmp_path / "job"
+    proc = run_cli([*ELASTIC, *QUICK, "sync=ps", "network=emulated", "network.bandwidth=1gbit", "fault.step=5",
+                    "elastic.rejoin_step=10", f"hydra.run.dir={job}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_json(job / "summary.json")
+    assert summary["status"] == "ok" and summary["replicas_identical"], summary.get("error")
+    assert relative_error(load_params(job), load_params(runs["one"])) < 1e-5
+    assert [(c["step"], c["members"]) for c in summary["membership"]] == [
+        (0, [0, 1, 2, 3]), (5, [0, 1, 3]), (10, [0, 1, 2, 3])]
     assert_nothing_left(job)
 
 
@@ -188,7 +226,11 @@ def test_below_min_workers_the_run_fails_and_says_why(tmp_path: Path) -> None:
         (["fault.rank=0"], "elastic.enabled with fault.rank=0"),
         (["launcher.max_restarts=1"], "elastic.enabled with launcher.max_restarts"),
         (["fault.step=8", "elastic.rejoin_step=8"], "set fault.step below elastic.rejoin_step"),
-        (["sync=ps", "sync.addresses=[127.0.0.1:1]"], "elastic.enabled with sync.addresses"),
+        (["network=emulated", "network.nodes=2"], "elastic.enabled with network.nodes"),
+        (["elastic.batch=keep_all"], "elastic.batch=keep_all: allowed: keep_global|keep_local"),
+        (["data.batch_size=10", "elastic.min_workers=3"], "or keep each worker's batch instead (elastic.batch=keep_local)"),
+        (["sync=ps", "elastic.batch=keep_local", "optim.lr_scaling=linear"],
+         "elastic.batch=keep_local with sync=ps and optim.lr_scaling=linear"),
     ],
 )
 def test_elastic_settings_that_cannot_run_are_refused_before_spawn(overrides: list[str], message: str) -> None:

@@ -24,13 +24,17 @@ class RankBatches:
     The sample order is a concatenation of per-epoch permutations drawn from ``seed``; global batch
     ``t`` is positions ``[t*G, (t+1)*G)`` of that order, ``G = sum(sizes)``, and rank ``r`` takes
     the ``sizes[r]`` positions after those of ranks ``0..r-1`` (equal sizes unless the shards are
-    uneven). Batches may straddle epochs, so every step has a full batch.
+    uneven). Batches may straddle epochs, so every step has a full batch. A global batch that
+    changes (elastic.batch=keep_local) starts a segment: from its first batch on, the batches of
+    the new size continue the order where the old ones left it.
     """
 
     def __init__(self, inputs: torch.Tensor, targets: torch.Tensor, sizes: list[int], rank: int, seed: int) -> None:
         self.inputs, self.targets = inputs, targets
         self.rank, self.seed = rank, seed
         self.global_batch = sum(sizes)
+        # (first batch, its first position, global batch) of each segment, in order
+        self.segments: list[tuple[int, int, int]] = [(0, 0, self.global_batch)]
         self.resize(sizes)
         self._orders: dict[int, torch.Tensor] = {}
 
@@ -44,6 +48,21 @@ class RankBatches:
             raise ValueError(f"batch sizes {sizes}: each >= 1, summing to the global batch {self.global_batch}")
         self.per_rank, self.offset = sizes[self.rank], sum(sizes[: self.rank])
 
+    def rebatch(self, first: int, sizes: list[int], rank: int) -> None:
+        """From batch ``first`` on, every rank's samples per step are ``sizes`` and this rank is
+        ``rank`` of ``len(sizes)``, whatever the global batch becomes (elastic.batch=keep_local).
+        Segments from ``first`` on are replaced (a membership that rolled back redoes them), so the
+        order goes on from batch ``first``'s position, with no sample taken twice or left out."""
+        start = self.position(first)
+        self.segments = [s for s in self.segments if s[0] < first] + [(first, start, sum(sizes))]
+        self.global_batch = sum(sizes)
+        self.resize(sizes, rank)
+
+    def position(self, i: int) -> int:
+        """Where global batch ``i`` begins in the sample order."""
+        first, start, size = next(s for s in reversed(self.segments) if s[0] <= i)
+        return start + (i - first) * size
+
     def _order(self, epoch: int) -> torch.Tensor:
         if epoch not in self._orders:
             if len(self._orders) >= 2:  # a batch spans at most two epochs unless it exceeds the data set
@@ -54,7 +73,7 @@ class RankBatches:
 
     def indices(self, step: int) -> torch.Tensor:
         n = len(self.inputs)
-        pos = step * self.global_batch + self.offset
+        pos = self.position(step) + self.offset
         end = pos + self.per_rank
         parts = []
         while pos < end:

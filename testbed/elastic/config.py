@@ -23,6 +23,13 @@ class ElasticConfig:
     # A lost worker's place is taken by a newcomer, which the launcher starts at once and which joins
     # the run at this step, with the parameters and optimizer state of a peer (null: no newcomer).
     rejoin_step: int | None = None
+    # What a membership of n workers trains on (testbed.elastic.regroup): keep_global, the same global
+    # batch split evenly; keep_local, the same batch per worker, with the learning rate that
+    # optim.lr_scaling gives the global batch it makes.
+    batch: str = "keep_global"
+
+
+BATCH_POLICIES = ("keep_global", "keep_local")
 
 
 def check_elastic(cfg: Any) -> None:
@@ -37,11 +44,9 @@ def check_elastic(cfg: Any) -> None:
     why = SYNCHRONIZERS[sync].inelastic
     require(why is None, f"elastic.enabled with sync={sync}: {why}; use sync="
             + "|".join(name for name, spec in SYNCHRONIZERS.items() if spec.inelastic is None))
-    require(not cfg.sync.get("addresses"), "elastic.enabled with sync.addresses: the launcher tells the servers it "
-            "started of each membership change, and servers started elsewhere would wait for a lost worker for ever; "
-            "drop sync.addresses")
-    require(cfg.network.name == "loopback", f"elastic.enabled with network={cfg.network.name}: the ranks' store is "
-            "the launcher's, on loopback, which an emulated host's namespace cannot reach; use network=loopback")
+    require(not (cfg.network.name == "emulated" and cfg.network.nodes), "elastic.enabled with network.nodes: the "
+            "launcher's store has a link of its own on a flat emulated network, and no machine of two levels; use "
+            "network.nodes=0")
     require(cfg.launcher.get("max_restarts", 0) == 0 and not (cfg.checkpoint.every or cfg.resume),
             "elastic.enabled with launcher.max_restarts or checkpoint.every/resume: the two are the alternatives "
             "an elastic comparison sets side by side (commits in memory against a restart from disk); run them apart")
@@ -62,21 +67,25 @@ def check_elastic(cfg: Any) -> None:
             "run's results and its loss fails the run; lose another (fault.rank >= 1)")
     if elastic.rejoin_step is not None:
         _check_rejoin(cfg)
+    require(elastic.batch in BATCH_POLICIES, f"elastic.batch={elastic.batch}: allowed: {'|'.join(BATCH_POLICIES)}")
+    if elastic.batch == "keep_local":
+        require(SYNCHRONIZERS[sync].servers is None or cfg.optim.lr_scaling == "none",
+                f"elastic.batch=keep_local with sync={sync} and optim.lr_scaling={cfg.optim.lr_scaling}: the servers "
+                "step with the schedule resolved at the start, for the configured global batch; use "
+                "optim.lr_scaling=none or elastic.batch=keep_global")
+        return
     # keep_global: every membership the run may reach splits the global batch evenly.
     total = sum(shard_batches(cfg))
     for m in range(int(elastic.min_workers), n + 1):
         require(total % m == 0, f"elastic.min_workers={elastic.min_workers}: a global batch of {total} samples "
                 f"(data.batch_size, world_size={n}) does not divide among {m} workers; choose a global batch that "
-                f"every size from min_workers to world_size divides, or raise elastic.min_workers")
+                f"every size from min_workers to world_size divides, raise elastic.min_workers, or keep each "
+                f"worker's batch instead (elastic.batch=keep_local)")
 
 
 def _check_rejoin(cfg: Any) -> None:
-    step, fault, sync = cfg.elastic.rejoin_step, cfg.fault, cfg.sync.name
+    step, fault = cfg.elastic.rejoin_step, cfg.fault
     require(0 < step < int(cfg.steps), f"elastic.rejoin_step={step}: must be in [1, steps={cfg.steps})")
     require(fault.name != "kill_rank" or (fault.step is not None and fault.step < step),
             f"elastic.rejoin_step={step} with fault.step={fault.step}: the newcomer takes the place of a worker "
             "lost before it joins; set fault.step below elastic.rejoin_step")
-    servers = SYNCHRONIZERS[sync].servers
-    require(servers is None or servers.join is not None, f"elastic.rejoin_step with sync={sync}: its servers do not "
-            "admit a newcomer; use sync=" + "|".join(n for n, s in SYNCHRONIZERS.items() if s.inelastic is None
-                                                     and (s.servers is None or s.servers.join is not None)))

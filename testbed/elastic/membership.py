@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from testbed.rank_failure import RunFailure, kind_of, lost_peer
-from testbed.world import World, env_rank_layout, form_world
+from testbed.world import World, env_rank_layout, form_world, launcher_store
 
 log = logging.getLogger("testbed")
 
@@ -88,7 +88,7 @@ def join_world(device: torch.device, backend: str, timeout_s: float, after: int)
     group with its peers (who form it at the boundary before ``elastic.rejoin_step``)."""
     worker = env_rank_layout()[0]
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), None, is_master=False, timeout=timeout)
+    store = launcher_store(timeout)
     store.set(ready_key(worker, after), str(time.time()))
     epoch = after + 1
     while True:
@@ -130,9 +130,12 @@ class Membership:
     every file; ``world`` is the current process group's view (rank, size)."""
 
     def __init__(self, cfg: Any, world: World, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 start_step: int, joined: dict[str, Any] | None = None) -> None:
+                 start_step: int, joined: dict[str, Any] | None = None,
+                 on_change: Callable[[dict[str, Any]], None] | None = None) -> None:
         """After the synchronizer's setup (its groups exist); commits the state before ``start_step``.
-        ``joined``: a newcomer's admitting membership (join_world), whose commit is the peers' to send."""
+        ``joined``: a newcomer's admitting membership (join_world), whose commit is the peers' to send.
+        ``on_change``: told each change (its epoch, lost and joined workers) before this rank goes
+        on in it, and each loss as soon as it is seen (Synchronizer.membership_changed)."""
         self.worker, self.world = env_rank_layout()[0], world
         self.model, self.optimizer = model, optimizer
         self.commit_every = int(cfg.elastic.commit_every)
@@ -142,8 +145,9 @@ class Membership:
             joined["epoch"], joined["members"])
         timeout = timedelta(seconds=float(cfg.timeouts.collective_s))
         self._port = int(os.environ["MASTER_PORT"])
-        self._store = dist.TCPStore("127.0.0.1", self._port, None, is_master=False, timeout=timeout)
+        self._store = launcher_store(timeout)
         self.timeout_s = float(cfg.timeouts.collective_s)
+        self.on_change = on_change
         # Epoch 0's timeline entry; one more per change (summary.json's ``membership``).
         self.timeline: list[dict[str, Any]] = [{"epoch": self.epoch, "step": start_step, "world_size": world.world_size,
                                                 "members": self.members,
@@ -222,14 +226,16 @@ class Membership:
             if is_join(announced):  # every peer is at this boundary: nothing is done again
                 self.save(step - 1)
                 announced["detected_at"] = asked
-            admits = bool(set(announced["members"]) - set(self.members))
+            joined = sorted(set(announced["members"]) - set(self.members))  # newcomers, whatever the announcement
             try:
+                for epoch in range(self.epoch + 1, announced["epoch"] + 1):  # each change, those skipped included
+                    self._tell(epoch, json.loads(self._store.get(epoch_key(epoch))))
                 self._form(announced)
                 formed = time.time()
                 resume = rebuild(self.world, self.epoch)
                 if resume is None:
                     resume = self._restore() + 1
-                elif admits:  # the servers hold the model: a newcomer needs the buffers
+                elif joined:  # the servers hold the model: a newcomer needs the buffers
                     self._share_buffers()
             except Exception as again:  # another worker lost while forming this one
                 if not self.recoverable(again):
@@ -237,7 +243,7 @@ class Membership:
                 exc = again
                 continue
             change = {"epoch": self.epoch, "step": resume, "world_size": len(self.members), "members": self.members,
-                      "lost": announced["lost"], "joined": announced.get("joined", []), "cause": announced["cause"],
+                      "lost": announced["lost"], "joined": joined, "cause": announced["cause"],
                       "interrupted_step": step if exc is not None else None,
                       "rolled_back_steps": max(0, step - resume),  # completed steps done again
                       "regroup_s": round(formed - announced["detected_at"], 3),
@@ -293,6 +299,16 @@ class Membership:
         self.commit = commit
         return commit.step
 
+    def _tell(self, epoch: int, announcement: dict[str, Any]) -> None:
+        if self.on_change is not None:
+            self.on_change({"epoch": epoch, "lost": announcement["lost"], "joined": announcement.get("joined", [])})
+
+    def shared(self, value: Any) -> Any:
+        """Worker 0's ``value`` (a picklable object) on every rank: what a newcomer cannot know."""
+        values = [value]
+        dist.broadcast_object_list(values, src=0)
+        return values[0]
+
     def _share_buffers(self) -> None:
         """Rank 0's buffers (BatchNorm's running statistics) on every rank: where the servers hold the
         parameters, all a newcomer lacks."""
@@ -305,7 +321,7 @@ class Membership:
         """Shut this rank's connections of the current group once a newer membership is announced:
         a rank blocked on a live peer that stopped on the failure wakes at once. A membership that
         only admits newcomers wakes no one: its peers form it at ``elastic.rejoin_step``."""
-        store = dist.TCPStore("127.0.0.1", self._port, None, is_master=False, timeout=timedelta(seconds=60))
+        store = launcher_store(timedelta(seconds=60))
         seen = self.epoch  # the newest announcement read
         while not self._closing.is_set():
             seen = max(seen, self.epoch)
@@ -314,8 +330,13 @@ class Membership:
             except dist.DistStoreError:
                 continue
             seen += 1
-            if is_join(json.loads(store.get(epoch_key(seen)))):
+            announcement = json.loads(store.get(epoch_key(seen)))
+            if is_join(announcement):
                 continue
+            try:  # a survivor blocked on the servers (a pull waiting for the lost worker's push) wakes
+                self._tell(seen, announcement)
+            except Exception:  # the main thread tells them again before it goes on, and fails if it must
+                log.warning("telling membership %d's change failed", seen, exc_info=True)
             with self._lock:
                 if self._severed < self.epoch < seen:
                     self._news.set()

@@ -76,13 +76,14 @@ def with_schedule(plain: dict[str, Any], train_size: int | None) -> dict[str, An
     return {**plain["optim"], "lr_schedule": schedule_of(OmegaConf.create(plain), train_size).as_dict()}
 
 
-def scale_factor(cfg: Any) -> float:
-    """The scaling rule's multiplier of optim.lr for this run's global batch."""
+def scale_factor(cfg: Any, batch: int | None = None) -> float:
+    """The scaling rule's multiplier of optim.lr for this run's global batch (or ``batch``: one an
+    elastic membership makes)."""
     rule = cfg.optim.get("lr_scaling", "none")
     if rule == "none":
         return 1.0
     base = cfg.optim.get("base_batch") or int(cfg.data.batch_size)
-    k = global_batch(cfg) / base
+    k = (batch or global_batch(cfg)) / base
     return k if rule == "linear" else math.sqrt(k)
 
 
@@ -95,11 +96,13 @@ def warmup_steps(cfg: Any, train_size: int | None) -> int:
     return int(optim.get("warmup_steps", 0))
 
 
-def schedule_of(cfg: Any, train_size: int | None) -> LrSchedule:
-    """This run's schedule (``train_size``: training samples, for warmup_epochs)."""
+def schedule_of(cfg: Any, train_size: int | None, global_batch: int | None = None) -> LrSchedule:
+    """This run's schedule (``train_size``: training samples, for warmup_epochs); with
+    ``global_batch``, its peak scaled for that batch instead of the configured one (the warmup
+    keeps its steps)."""
     optim = cfg.optim
     base = float(optim.lr)
-    peak = base * scale_factor(cfg)
+    peak = base * scale_factor(cfg, global_batch)
     return LrSchedule(
         peak=peak, start=base if peak != base else 0.0, warmup=warmup_steps(cfg, train_size), total=int(cfg.steps),
         kind=optim.get("schedule", "constant"), milestones=tuple(int(m) for m in optim.get("milestones", ())),

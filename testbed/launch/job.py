@@ -20,7 +20,7 @@ from testbed.launch.existing import in_submitit_job, surrounding_world
 from testbed.launch.rank import ATTEMPT_ENV, CLOCK_ORIGIN_ENV, rank_main
 from testbed.launch.spawn import RankFailure, spawn_world
 from testbed.launch.supervisor import supervise_world
-from testbed.netem import EmulatedNetwork, machines_of
+from testbed.netem import LAUNCHER_ENDPOINT, EmulatedNetwork, machines_of
 from testbed.preflight import check_free_ports, listeners
 from testbed.rank_failure import RunFailure, kind_of, lost_peer, recorded, root_cause
 from testbed.results.step_log import read_step_log
@@ -173,6 +173,8 @@ def _attempt(
             network = None
             if cfg.network.name == "emulated":
                 endpoints = [f"r{r}" for r in range(cfg.world_size)] + [f"s{k}" for k in range(servers)]
+                if cfg.elastic.enabled:  # the launcher's store, which the ranks' namespaces reach
+                    endpoints.append(LAUNCHER_ENDPOINT)
                 placed = spec.servers.machines(cfg) if spec.servers and spec.servers.machines and cfg.network.nodes else None
                 machines = machines_of(cfg.world_size, servers, cfg.network.nodes, cfg.network.servers, placed)
                 network = stack.enter_context(EmulatedNetwork(endpoints, cfg.network.bandwidth, cfg.network.latency_ms,
@@ -189,15 +191,13 @@ def _attempt(
                 log.info("sync=%s servers up: %s", cfg.sync.name, ", ".join(plain["sync"]["addresses"]))
             launch = (rank_main, (plain, str(job_dir), identity), cfg.world_size, job_dir / "logs")
             if cfg.elastic.enabled:  # ranks that may leave without stopping the others
-                leave = spec.servers.leave if servers and spec.servers else None
-                join = spec.servers.join if servers and spec.servers else None
                 results = supervise_world(
                     *launch, int(cfg.elastic.min_workers),
-                    on_lost=(lambda worker, epoch: leave(plain, env, worker, epoch)) if leave else None,
-                    on_joined=(lambda worker, epoch: join(plain, env, worker, epoch)) if join else None,
                     rendezvous_timeout_s=cfg.timeouts.rendezvous_s,
                     echo_rank0=cfg.launcher.echo_rank0, monitor_interval_s=cfg.launcher.monitor_interval_s, env=env,
                     rejoin_step=cfg.elastic.rejoin_step,
+                    store_host=(network.endpoints[LAUNCHER_ENDPOINT].namespace,
+                                network.endpoints[LAUNCHER_ENDPOINT].address) if network else None,
                 )
             else:
                 results = spawn_world(

@@ -31,6 +31,7 @@ from testbed.buffers import BufferSync
 from testbed.checks import resolved_backend, resolved_device
 from testbed.data import build_data, build_heldout, data_kind, heldout_of
 from testbed.elastic.membership import Membership, join_world, joining
+from testbed.elastic.regroup import Regrouper
 from testbed.eval.config import evaluates
 from testbed.eval.evaluate import Evaluator
 from testbed.eval.schedule import schedule_of
@@ -102,10 +103,8 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
         threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // world.local_world_size)
         torch.set_num_threads(threads)
         torch.manual_seed(cfg.seed)  # identical initial replicas on every rank
-        sizes = shard_batches(cfg) if joined is None else even_shares(sum(shard_batches(cfg)), world.world_size)
+        sizes = shard_batches(cfg)  # a newcomer's, once admitted: the membership's (Regrouper.resumed)
         spec, data = built or build_data(cfg.data, sizes, world.rank, cfg.seed, world.device)
-        if built is not None:
-            data.resize(sizes, world.rank)
         train_samples = data.describe().get("samples")  # the training split's size, for epochs
         batches = objective_batches(cfg.model, data, spec, cfg.seed, world.rank)
         model = build_model(cfg.model, spec).to(world.device)
@@ -121,7 +120,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
         buffers = BufferSync(model, "local" if cfg.sync_bn else cfg.buffers, world.world_size)
         sync.setup(model, optimizer, world)
         if cfg.elastic.enabled:
-            membership = Membership(cfg, world, model, optimizer, resumed, joined)
+            membership = Membership(cfg, world, model, optimizer, resumed, joined, sync.membership_changed)
             if sync.replicas_hold_state:
                 membership.arm()
             if joined is not None:  # the peers' model and optimizer state, and the step they go on from
@@ -138,25 +137,28 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
             step_log.write(record)
         evaluator = _evaluator(cfg, spec, world, Path(job_dir), train_samples, sum(sizes) * int(cfg.sync.accumulate),
                                tracker.log_eval if tracker else None)
+        weight, schedule = loss_weight(sizes, world.rank), schedule_of(cfg, data_kind(cfg.data.name).train_size(cfg.data))
+        regrouper = Regrouper(cfg, membership, sync, data, buffers, evaluator) if membership else None
+        if regrouper is not None and joined is not None:  # its batches and schedule from the step it joins at
+            weight, schedule = regrouper.resumed(resumed, newcomer=True)
         trainer = Trainer(
             optimizer, sync, batches, world, step_log, cfg.steps,
             bf16=cfg.precision == "bf16", log_every=cfg.log_every, injector=injector,
-            call=model_call(cfg.model), loss_weight=loss_weight(sizes, world.rank),
+            call=model_call(cfg.model), loss_weight=weight,
             on_record=tracker.log_step if tracker else None,
             # An injected fault strikes the first attempt only, or every restart would meet it again.
             fault=FaultInjector(cfg.fault, world.rank, cfg.seed, cfg.steps) if not (restarted() or joined) else None,
             arrivals=arrivals,
             start_step=resumed, buffers=buffers if buffers.flats else None,
             after_step=_checkpointer(cfg, Path(job_dir), world.rank, model, optimizer, injector, step_log),
-            schedule=schedule_of(cfg, data_kind(cfg.data.name).train_size(cfg.data)),
+            schedule=schedule,
             evaluator=evaluator,
             noise=noise_probe(cfg, model, sizes, world.rank, sync),
             balancer=(Balancer(cfg.balance, sizes, world.rank, world.device, resumed, data.resize)
                       if cfg.balance.name != "none" else None),
             clock_origin=float(os.environ[CLOCK_ORIGIN_ENV]) if CLOCK_ORIGIN_ENV in os.environ else None,
             membership=membership,
-            on_regroup=(_regrouper(membership, sync, data, buffers, evaluator, sum(sizes))
-                        if membership else None),
+            regrouper=regrouper,
         )
         if state is not None:
             checkpoint.restore_rng(state, injector.rng)
@@ -234,32 +236,6 @@ def _finish(
                         comm_bound_s=comm_bound_s)
     write_summary(job_dir, summary)
     return summary
-
-
-def _regrouper(membership: Membership, sync: Synchronizer, data: Any, buffers: BufferSync, evaluator: Evaluator | None,
-               global_batch: int) -> Callable[[World, int], tuple[int | None, float]]:
-    """What a rank rebuilds for a new membership: the synchronizer over the new group, its share of
-    the global batch (the same global batch, split evenly: elastic keeps it), the buffers' and the
-    evaluation's view of the world; it returns the synchronizer's step to go on from (None: after
-    the restored commit) and the rank's loss weight."""
-
-    def regroup(world: World, epoch: int) -> tuple[int | None, float]:
-        resume = sync.regroup(world, epoch)
-        if sync.replicas_hold_state:
-            membership.arm()
-        sizes = even_shares(global_batch, world.world_size)
-        data.resize(sizes, world.rank)
-        buffers.world_size = world.world_size
-        if evaluator is not None:
-            evaluator.world = world
-        return resume, loss_weight(sizes, world.rank)
-
-    return regroup
-
-
-def even_shares(global_batch: int, n: int) -> list[int]:
-    """A membership's batches: the global batch split evenly among its ``n`` workers (elastic keeps it)."""
-    return [global_batch // n] * n
 
 
 def _evaluator(cfg: Any, spec: Any, world: World, job_dir: Path, train_samples: int | None,

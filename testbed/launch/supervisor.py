@@ -25,7 +25,6 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -36,6 +35,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from testbed.elastic.membership import JOIN_ENV, admit_key, epoch_key, ready_key
 from testbed.launch import rank_server
 from testbed.launch.spawn import RankFailure, launch_environment, loopback_env
+from testbed.netem.rank import namespace_store
 from testbed.rank_failure import recorded
 from testbed.world import LAUNCHER_STORE_ENV, loopback_store
 
@@ -49,23 +49,23 @@ def supervise_world(
     nproc: int,
     log_dir: Path,
     min_workers: int,
-    on_lost: Callable[[int, int], None] | None = None,
     rendezvous_timeout_s: float = 120.0,
     echo_rank0: bool = False,
     monitor_interval_s: float = 0.1,
     env: dict[str, str] | None = None,
     rejoin_step: int | None = None,
-    on_joined: Callable[[int, int], None] | None = None,
+    store_host: tuple[str, str] | None = None,
 ) -> dict[int, Any]:
     """Run ``entry(*args)`` in ``nproc`` ranks that may leave; return ``{0: worker 0's return value}``.
-    ``on_lost(worker, epoch)`` tells the rest of the job (parameter servers) of a lost worker before
-    membership ``epoch`` is announced. ``rejoin_step``: a newcomer is started in each lost worker's
-    place, and admitted from that step on; ``on_joined(worker, epoch)`` admits it to the rest of
-    the job before the membership is announced. Raises ``RankFailure`` naming the worker whose failure ended the run."""
+    ``rejoin_step``: a newcomer is started in each lost worker's place, and admitted from that step
+    on. ``store_host``: (network namespace, address) where the ranks' store listens, on an emulated
+    network; by default loopback. Raises ``RankFailure`` naming the worker whose failure ended the run."""
     log_dir.mkdir(parents=True, exist_ok=True)
     rank_server.start_rank_server(entry.__module__)
     context = multiprocessing.get_context("forkserver")
-    store = loopback_store(0, None, timedelta(seconds=rendezvous_timeout_s))
+    timeout = timedelta(seconds=rendezvous_timeout_s)
+    store = loopback_store(0, None, timeout) if store_host is None else namespace_store(*store_host, timeout)
+    host = "127.0.0.1" if store_host is None else store_host[1]
     run_dir = log_dir / f"testbed-{uuid.uuid4().hex[:12]}" / "attempt_0"
     launch_env = {**loopback_env(), LAUNCHER_STORE_ENV: "1", **(env or {})}
     ranks: dict[int, tuple[multiprocessing.process.BaseProcess, Connection]] = {}
@@ -77,7 +77,7 @@ def supervise_world(
 
             def start(rank: int, extra: dict[str, str]) -> None:
                 layout = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-                          "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+                          "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": host, "MASTER_PORT": str(port)}
                 receive, send = context.Pipe(duplex=False)
                 process = context.Process(target=_rank, name=f"rank{rank}",
                                           args=(entry, {**environ, **layout, **extra}, run_dir / str(rank), send, args))
@@ -90,9 +90,8 @@ def supervise_world(
             for rank in range(nproc):
                 start(rank, {})
             echo = _Echo(run_dir / "0" / "stdout.log") if echo_rank0 else None
-            rejoin = None if rejoin_step is None else _Rejoin(
-                lambda worker, epoch: start(worker, {JOIN_ENV: str(epoch)}), on_joined)
-            return _Watch(ranks, store, min_workers, on_lost, rejoin, log_dir, echo).run(monitor_interval_s)
+            newcomers = (lambda worker, epoch: start(worker, {JOIN_ENV: str(epoch)})) if rejoin_step is not None else None
+            return _Watch(ranks, store, min_workers, newcomers, log_dir, echo).run(monitor_interval_s)
     finally:
         signal.signal(signal.SIGTERM, previous)
         _stop([process for process, _ in ranks.values()])
@@ -101,24 +100,15 @@ def supervise_world(
         del store  # its server thread and port go with it
 
 
-@dataclass
-class _Rejoin:
-    """elastic.rejoin_step: ``start(worker, epoch)`` starts a newcomer in a lost worker's place after
-    membership ``epoch``; once the members ask, ``on_joined(worker, epoch)`` admits it to the rest of
-    the job (parameter servers), and then the membership ``epoch`` announced does."""
-
-    start: Callable[[int, int], None]
-    on_joined: Callable[[int, int], None] | None
-
-
 class _Watch:
     """The launcher's loop: each rank's exit, each newcomer's readiness, and the memberships they make."""
 
     def __init__(self, ranks: dict[int, tuple[Any, Connection]], store: Any, min_workers: int,
-                 on_lost: Callable[[int, int], None] | None, rejoin: _Rejoin | None, log_dir: Path,
-                 echo: _Echo | None) -> None:
+                 newcomers: Callable[[int, int], None] | None, log_dir: Path, echo: _Echo | None) -> None:
+        """``newcomers(worker, epoch)``: start a newcomer in lost ``worker``'s place, after membership
+        ``epoch`` (elastic.rejoin_step)."""
         self.ranks, self.store, self.min_workers = ranks, store, min_workers
-        self.on_lost, self.rejoin, self.log_dir, self.echo = on_lost, rejoin, log_dir, echo
+        self.newcomers, self.log_dir, self.echo = newcomers, log_dir, echo
         self.members = set(ranks)  # the workers of the newest membership (announced)
         self.waiting: dict[int, int] = {}  # newcomer -> the epoch it was started after, until admitted
         self.results: dict[int, Any] = {}
@@ -139,8 +129,8 @@ class _Watch:
                 live.discard(rank)
                 if process.exitcode != 0:
                     self._lost(rank, process)
-                    if self.rejoin is not None:
-                        self.rejoin.start(rank, self.epoch)
+                    if self.newcomers is not None:
+                        self.newcomers(rank, self.epoch)
                         self.waiting[rank] = self.epoch
                         live.add(rank)
             self._admit()
@@ -169,18 +159,13 @@ class _Watch:
             raise RankFailure(rank, f"{cause}; {len(survivors)} workers left, below elastic.min_workers="
                                     f"{self.min_workers}", killed=process.exitcode < 0)
         self.epoch += 1
-        if self.on_lost is not None:
-            try:
-                self.on_lost(rank, self.epoch)
-            except Exception as exc:
-                raise RankFailure(rank, f"{cause}; the servers could not drop it: {exc}") from exc
         self._announce({"members": survivors, "lost": [rank], "joined": [], "cause": cause, "detected_at": detected_at})
         log.warning("worker %d lost (%s): membership %d goes on with workers %s", rank, cause, self.epoch, survivors)
 
     def _admit(self) -> None:
         """Once every member has asked (from elastic.rejoin_step on: each waits at a step boundary),
-        admit the newcomers ready to join, to the rest of the job and then in the membership
-        announced; one started later waits until the run ends, never admitted."""
+        announce the membership that admits the newcomers ready to join; one started later waits
+        until the run ends, never admitted."""
         if not self.waiting or not self.store.check([admit_key(self.epoch)]):
             return
         if self.store.add(admit_key(self.epoch), 0) < len(self.members):
@@ -188,17 +173,10 @@ class _Watch:
         ready = sorted(w for w, after in self.waiting.items() if self.store.check([ready_key(w, after)]))
         if not ready:
             return
-        assert self.rejoin is not None  # only its newcomers wait
-        self.epoch += 1
         for worker in ready:
             del self.waiting[worker]
-            if self.rejoin.on_joined is not None:
-                try:
-                    self.rejoin.on_joined(worker, self.epoch)
-                except Exception as exc:
-                    raise RankFailure(worker, f"the newcomer in worker {worker}'s place: the servers could not admit "
-                                              f"it: {exc}") from exc
         self.members.update(ready)
+        self.epoch += 1
         cause = f"worker{'s' if len(ready) > 1 else ''} {', '.join(map(str, ready))} joined (a newcomer in a lost place)"
         self._announce({"members": sorted(self.members), "lost": [], "joined": ready, "cause": cause,
                         "detected_at": time.time()})

@@ -6,6 +6,7 @@ process does to live in its namespace.
 """
 
 from testbed.netem.links import (
+    LAUNCHER_ENDPOINT,
     EmulatedNetwork,
     NetworkUnavailable,
     check_available,
@@ -16,6 +17,7 @@ from testbed.netem.links import (
 from testbed.netem.rank import enter_rank_namespace
 
 __all__ = [
+    "LAUNCHER_ENDPOINT",
     "EmulatedNetwork",
     "NetworkUnavailable",
     "check_available",

@@ -33,6 +33,7 @@ SUBNET = "10.78.0"
 INTERFACE = "eth0"
 UPLINK = "uplink"  # a machine's interface to the switch
 MAX_ENDPOINTS = 250
+LAUNCHER_ENDPOINT = "l"  # the elastic launcher's store (testbed.launch.supervisor), on a link like a rank's
 # Each shaped port queues up to this much of its line rate (tbf's latency). At 5 ms (62 KB at
 # 100 Mbit) the pushes of two workers converging on one server overflowed it, and the lost packets
 # stalled for TCP's 200 ms minimum retransmission timeout: the sharded PS measured half its bound.
@@ -149,7 +150,7 @@ class EmulatedNetwork:
         self.machines, self.intra_bandwidth = machines, intra_bandwidth
         self.prefix = f"tb{os.getpid()}n{next(_sequence)}"
         self.switch = f"{self.prefix}-sw"
-        # Keys: r0, r1, ... for ranks; s0, s1, ... for parameter-server shards.
+        # Keys: r0, r1, ... for ranks; s0, s1, ... for parameter-server shards; LAUNCHER_ENDPOINT.
         self.endpoints = {e: Endpoint(f"{self.prefix}-{e}", f"{SUBNET}.{i + 2}") for i, e in enumerate(endpoints)}
         self._created: list[str] = []
 

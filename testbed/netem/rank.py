@@ -11,10 +11,14 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import threading
+from datetime import timedelta
 from typing import Any
 
+import torch.distributed as dist
+
 from testbed.latency import set_latency_ms
-from testbed.world import LOOPBACK_STORE_ENV
+from testbed.world import LAUNCHER_STORE_ENV, LOOPBACK_STORE_ENV, loopback_store
 
 NETNS_ENV = "TESTBED_NETNS"
 STORE_PORT = 29500  # each run has its own network stack, so a fixed port cannot collide
@@ -32,6 +36,27 @@ def enter_namespace(name: str) -> None:
         os.close(fd)
 
 
+def namespace_store(namespace: str, address: str, timeout: timedelta) -> dist.TCPStore:
+    """A TCPStore served on ``address`` (a free port, its ``.port``) inside network namespace
+    ``namespace``, by a process that stays outside it: built on a thread that enters the namespace,
+    so that its listening socket, its server's threads and its own client connection live there."""
+    built: dict[str, Any] = {}
+
+    def build() -> None:
+        try:
+            enter_namespace(namespace)
+            built["store"] = loopback_store(0, None, timeout, host=address)
+        except BaseException as exc:  # raised again on the caller's thread
+            built["error"] = exc
+
+    thread = threading.Thread(target=build, name="testbed-store")
+    thread.start()
+    thread.join()
+    if "error" in built:
+        raise built["error"]
+    return built["store"]
+
+
 def rank_plan() -> dict[str, Any] | None:
     spec = os.environ.get(NETNS_ENV)
     return json.loads(spec) if spec else None
@@ -45,11 +70,12 @@ def enter_rank_namespace() -> None:
     rank = int(os.environ["RANK"])
     enter_namespace(plan["ranks"][rank]["namespace"])
     set_latency_ms(float(plan["latency_ms"]))
-    os.environ.update(
-        MASTER_ADDR=plan["ranks"][0]["address"], MASTER_PORT=str(STORE_PORT), GLOO_SOCKET_IFNAME=plan["interface"]
-    )
+    os.environ["GLOO_SOCKET_IFNAME"] = plan["interface"]
     # The store is rank 0's on its emulated address, which the other namespaces reach (a private
-    # network), not on loopback, nor the launcher's in the root namespace.
+    # network), not on loopback; or the elastic launcher's, which it serves in a namespace of its own
+    # on the same network (namespace_store), and whose address it gave.
+    if os.environ.get(LAUNCHER_STORE_ENV) != "1":
+        os.environ.update(MASTER_ADDR=plan["ranks"][0]["address"], MASTER_PORT=str(STORE_PORT))
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     os.environ.pop(LOOPBACK_STORE_ENV, None)
     machines = plan.get("machines")

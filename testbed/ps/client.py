@@ -90,6 +90,10 @@ class PsClient:
             return [fn(0)]
         return [f.result() for f in [self.pool.submit(fn, i) for i in range(len(self.stubs))]]
 
+    def _in_turn(self, fn: Callable[[int], T]) -> list[T]:
+        """``fn(shard)`` for every shard in turn, on the calling thread."""
+        return [fn(i) for i in range(len(self.stubs))]
+
     def _view(self, flat: torch.Tensor) -> memoryview:
         # Byte views of the preallocated buffers are made once and reused every step.
         key = flat.data_ptr()
@@ -182,15 +186,18 @@ class PsClient:
         self.metadata = (*self._auth, (EPOCH_HEADER, str(epoch)))
 
     def leave(self, worker: int, epoch: int) -> list[pb.ShardInfo]:
-        """Every shard drops ``worker``, lost, from membership ``epoch`` on (the launcher's call)."""
+        """Every shard drops ``worker``, lost, from membership ``epoch`` on (every survivor says it;
+        a repeat is a no-op). Shard by shard on the calling thread: the pool's threads may be
+        blocked in the pulls this call is to wake."""
         request = pb.LeaveRequest(worker=worker, epoch=epoch)
-        return self._each(lambda i: self._call(i, "Leave", lambda: self.stubs[i].Leave(
+        return self._in_turn(lambda i: self._call(i, "Leave", lambda: self.stubs[i].Leave(
             request, timeout=self.timeout_s, metadata=self.metadata)))
 
     def join(self, worker: int, epoch: int) -> list[pb.ShardInfo]:
-        """Every shard admits ``worker``, a newcomer, from membership ``epoch`` on (the launcher's call)."""
+        """Every shard admits ``worker``, a newcomer, from membership ``epoch`` on (every member says
+        it; a repeat is a no-op)."""
         request = pb.JoinRequest(worker=worker, epoch=epoch)
-        return self._each(lambda i: self._call(i, "Join", lambda: self.stubs[i].Join(
+        return self._in_turn(lambda i: self._call(i, "Join", lambda: self.stubs[i].Join(
             request, timeout=self.timeout_s, metadata=self.metadata)))
 
     def stats(self) -> list[pb.StatsReply]:

@@ -125,7 +125,7 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Leave(self, request, context):
-        """elastic.enabled: the launcher drops a lost worker from the barrier and the clocks. Pushes and
+        """elastic.enabled: the workers drop a lost one from the barrier and the clocks. Pushes and
         pulls carry their worker's membership epoch (metadata membership-epoch); those of an older one
         are refused ABORTED ("membership changed"), and the step they belonged to is pushed again.
         """
@@ -134,8 +134,9 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Join(self, request, context):
-        """elastic.rejoin_step: the launcher admits a newcomer in a lost worker's place while every member
-        waits at a step boundary (no push is in progress). Its clock starts at the slowest member's.
+        """elastic.rejoin_step: the members admit a newcomer in a lost worker's place while each waits at a
+        step boundary (no push is in progress). Its clock starts at the slowest member's. Leave and
+        Join may come from every worker: the first call of an epoch changes the shard, the rest are no-ops.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

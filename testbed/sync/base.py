@@ -81,6 +81,11 @@ class Synchronizer(ABC):
         self.setup(self.model, self.optimizer, world)
         return None
 
+    def membership_changed(self, change: dict[str, Any]) -> None:
+        """elastic.enabled: membership ``change["epoch"]`` is announced, which lost the workers
+        ``change["lost"]`` and admitted ``change["joined"]``; tell whatever else holds the run's
+        state (parameter servers). Called before this rank goes on in it, and may be called again."""
+
     def takes_part(self, step: int) -> bool:
         """Whether this rank computes a gradient for ``step``. False where the step's update is
         made without it (a parameter server's backup workers): the trainer calls ``sit_out``

@@ -154,6 +154,16 @@ class ParameterServerSync(Synchronizer):
         self._params_up()
         return self.clock
 
+    def membership_changed(self, change: dict[str, Any]) -> None:
+        """Every shard drops the workers membership ``change["epoch"]`` lost and admits those it
+        joined. Each worker says so before it goes on in the membership, and the first to say it
+        changes the shards (a repeat is a no-op): a survivor's pull waiting for a lost worker's push
+        is refused then, and wakes."""
+        for worker in change["lost"]:
+            self.client.leave(worker, change["epoch"])
+        for worker in change["joined"]:
+            self.client.join(worker, change["epoch"])
+
     def _params_up(self) -> None:
         """The pulled parameters onto the device (staging; nothing to do on CPU)."""
         if self.host_params is not self.flat_params:
@@ -441,33 +451,6 @@ def _unmeasured(cfg: Any) -> str | None:
     return None
 
 
-def _leave(plain: dict[str, Any], env: dict[str, str], worker: int, epoch: int) -> None:
-    """Servers.leave: every shard drops ``worker``, lost (elastic.enabled)."""
-    with _launcher_client(plain, env) as client:
-        client.leave(worker, epoch)
-
-
-def _join(plain: dict[str, Any], env: dict[str, str], worker: int, epoch: int) -> None:
-    """Servers.join: every shard admits ``worker``, a newcomer (elastic.rejoin_step)."""
-    with _launcher_client(plain, env) as client:
-        client.join(worker, epoch)
-
-
-@contextmanager
-def _launcher_client(plain: dict[str, Any], env: dict[str, str]) -> Iterator[Any]:
-    """The launcher's connection to the servers it started, for a membership change."""
-    from testbed.ps.client import PsClient
-    from testbed.ps.wire import TOKEN_ENV, tls_of
-
-    sync = plain["sync"]
-    client = PsClient(list(sync["addresses"]), env[TOKEN_ENV], 0, float(plain["timeouts"]["collective_s"]),
-                      int(sync["chunk_kb"]) * 1024, tls_of(sync)[2])
-    try:
-        yield client
-    finally:
-        client.close()
-
-
 @contextmanager
 def _start_servers(
     plain: dict[str, Any], world_size: int, log_dir: Path, hosts: list[tuple[str, str]] | None,
@@ -497,8 +480,6 @@ SPEC = SyncSpec(
     servers=Servers(
         count=lambda cfg: 0 if cfg.sync.addresses else int(cfg.sync.servers),
         start=_start_servers,
-        leave=_leave,
-        join=_join,
         apart="start the servers with python -m testbed.ps.server and pass sync.addresses=[host:port,...] "
               "(and TESTBED_PS_TOKEN on servers and workers; with a codec, the servers' --compress and --seed)",
     ),

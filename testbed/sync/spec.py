@@ -69,19 +69,13 @@ class Servers:
     into ``plain["sync"]``, yields the environment the ranks need to reach them, and stops them on
     exit; ``apart``: how to run them apart, for launches (torchrun, Slurm) that cannot start them;
     ``machines(cfg)``: on a two-level network, the machine of each (testbed.netem.machines_of), when
-    not one of its own each (or one on each node, colocated); ``leave`` and ``join``: below.
+    not one of its own each (or one on each node, colocated).
     """
 
     count: Callable[[Any], int]
     start: Callable[..., AbstractContextManager[dict[str, str]]]
     apart: str
     machines: Callable[[Any], list[int]] | None = None
-    # elastic.enabled: ``leave(plain, env, worker, epoch)`` drops a lost worker from the servers
-    # that ``start`` started (``env``: what it yielded) before membership ``epoch`` is announced.
-    leave: Callable[[dict[str, Any], dict[str, str], int, int], None] | None = None
-    # elastic.rejoin_step: ``join(plain, env, worker, epoch)`` admits a newcomer in a lost worker's
-    # place, while every member waits at a step boundary, before membership ``epoch`` is announced.
-    join: Callable[[dict[str, Any], dict[str, str], int, int], None] | None = None
 
 
 def overlapped(cfg: Any) -> str | None:
