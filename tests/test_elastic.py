@@ -20,6 +20,7 @@ QUICK = ["steps=16", "warmup_steps=1", "launcher.echo_rank0=false", "timeouts.co
 # 4 workers of 12 samples: a global batch of 48, which 3 (and 2) workers split evenly.
 ELASTIC = ["world_size=4", "data.batch_size=12", "elastic.enabled=true", "elastic.min_workers=2",
            "fault=kill_rank", "fault.rank=2"]
+AT_STEP_10 = ["elastic.rejoin_step=10", "elastic.rejoin_wait=true"]  # a newcomer's join, at exactly step 10
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +40,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     proc = run_cli([*ELASTIC, *QUICK, "sync=ps", "sync.servers=2", "fault.step=5", f"hydra.run.dir={root / 'ps'}"],
                    cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = run_cli([*ELASTIC, *QUICK, "sync=ps", "sync.mode=ssp", "fault.step=5", "elastic.rejoin_step=10",
+    proc = run_cli([*ELASTIC, *QUICK, "sync=ps", "sync.mode=ssp", "fault.step=5", *AT_STEP_10,
                     f"hydra.run.dir={root / 'ssp'}"], cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name, sync in (("rejoin", ["sync=ring"]), ("ps_rejoin", ["sync=ps", "sync.servers=2"])):
-        proc = run_cli([*ELASTIC, *QUICK, *sync, "fault.step=5", "elastic.rejoin_step=10",
+        proc = run_cli([*ELASTIC, *QUICK, *sync, "fault.step=5", *AT_STEP_10,
                         f"hydra.run.dir={root / name}"], cwd=root)
         assert proc.returncode == 0, proc.stderr[-3000:]
     proc = run_cli(["world_size=1", "data.batch_size=48", *QUICK, f"hydra.run.dir={root / 'one'}"], cwd=root)
@@ -83,7 +84,7 @@ def test_keep_local_keeps_each_workers_batch_and_scales_the_rate_with_the_member
     every worker's batch stays 10, and the linear scaling rule's rate follows the global batch."""
     job = tmp_path / "job"
     proc = run_cli([*ELASTIC, *QUICK, "data.batch_size=10", "elastic.batch=keep_local", "optim.lr_scaling=linear",
-                    "optim.lr=0.01", "sync=ring", "fault.step=5", "elastic.rejoin_step=10", f"hydra.run.dir={job}"],
+                    "optim.lr=0.01", "sync=ring", "fault.step=5", *AT_STEP_10, f"hydra.run.dir={job}"],
                    cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = read_json(job / "summary.json")
@@ -123,6 +124,25 @@ def test_a_newcomer_takes_a_lost_workers_place_and_the_run_ends_with_the_uninter
     assert_nothing_left(job)
 
 
+def test_a_newcomer_not_ready_at_rejoin_step_joins_once_ready_and_nobody_waits_for_it(tmp_path: Path) -> None:
+    """Without elastic.rejoin_wait the members train on until the newcomer is ready (it starts a
+    process and builds its data) and admit it at the boundary after the one where worker 0 sees it
+    ready: never at rejoin_step itself, and the join's pause is the join's own, not the newcomer's
+    start."""
+    job = tmp_path / "job"
+    proc = run_cli([*ELASTIC, *QUICK, "steps=60", "sync=ring", "fault.step=2", "elastic.rejoin_step=3",
+                    f"hydra.run.dir={job}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_json(job / "summary.json")
+    assert summary["status"] == "ok" and summary["replicas_identical"], summary.get("error")
+    _, lost, joined = summary["membership"]
+    assert joined["joined"] == [2] and joined["step"] > 3 and joined["interrupted_step"] is None
+    assert joined["regroup_s"] < 1.0, joined
+    newcomer = [r["step"] for r in read_jsonl(job / "metrics" / "rank2.jsonl")]
+    assert newcomer == [0, 1, *range(joined["step"], 60)]
+    assert_nothing_left(job)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="an emulated network needs root (namespaces, tc)")
 def test_over_an_emulated_network_a_worker_leaves_and_a_newcomer_joins(runs: dict[str, Path], tmp_path: Path) -> None:
     """The launcher's store listens in a namespace of its own, which the ranks' namespaces reach, and
@@ -130,7 +150,7 @@ def test_over_an_emulated_network_a_worker_leaves_and_a_newcomer_joins(runs: dic
     uninterrupted model, and takes every namespace down with it."""
     job = tmp_path / "job"
     proc = run_cli([*ELASTIC, *QUICK, "sync=ps", "network=emulated", "network.bandwidth=1gbit", "fault.step=5",
-                    "elastic.rejoin_step=10", f"hydra.run.dir={job}"], cwd=tmp_path)
+                    *AT_STEP_10, f"hydra.run.dir={job}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = read_json(job / "summary.json")
     assert summary["status"] == "ok" and summary["replicas_identical"], summary.get("error")

@@ -23,6 +23,10 @@ class ElasticConfig:
     # A lost worker's place is taken by a newcomer, which the launcher starts at once and which joins
     # the run at this step, with the parameters and optimizer state of a peer (null: no newcomer).
     rejoin_step: int | None = None
+    # false: the members go on without the newcomer until it is ready (it starts a process and builds
+    # its data), and admit it at the next step boundary; true: they wait for it at rejoin_step, a
+    # join at exactly that step, which a comparison of runs can repeat.
+    rejoin_wait: bool = False
     # What a membership of n workers trains on (testbed.elastic.regroup): keep_global, the same global
     # batch split evenly; keep_local, the same batch per worker, with the learning rate that
     # optim.lr_scaling gives the global batch it makes.

@@ -56,8 +56,19 @@ def epoch_key(epoch: int) -> str:
 
 
 def admit_key(epoch: int) -> str:
-    """A counter: the members of membership ``epoch`` at elastic.rejoin_step, asking to admit the newcomers ready."""
+    """A counter: the members of membership ``epoch`` asking to admit the newcomers ready."""
     return f"elastic/admit/{epoch}"
+
+
+def joinable_key(epoch: int) -> str:
+    """Set by the launcher once a newcomer is ready to join membership ``epoch``."""
+    return f"elastic/joinable/{epoch}"
+
+
+def join_at_key(epoch: int) -> str:
+    """Set by worker 0: the step at whose boundary the members of membership ``epoch`` admit the
+    newcomers ready (without elastic.rejoin_wait)."""
+    return f"elastic/join_at/{epoch}"
 
 
 def ready_key(worker: int, after: int) -> str:
@@ -140,6 +151,8 @@ class Membership:
         self.model, self.optimizer = model, optimizer
         self.commit_every = int(cfg.elastic.commit_every)
         self.rejoin_step: int | None = cfg.elastic.rejoin_step
+        self.rejoin_wait = bool(cfg.elastic.rejoin_wait)
+        self._join_at: dict[int, int] = {}  # membership epoch -> the step its members admit newcomers at
         self.world_size = int(cfg.world_size)
         self.epoch, self.members = (0, list(range(world.world_size))) if joined is None else (
             joined["epoch"], joined["members"])
@@ -199,8 +212,23 @@ class Membership:
         return self._news.is_set() or self._admitting(step)
 
     def _admitting(self, step: int) -> bool:
-        """From ``elastic.rejoin_step`` on, a membership short of a lost worker admits its newcomer."""
-        return self.rejoin_step is not None and step >= self.rejoin_step and len(self.members) < self.world_size
+        """From ``elastic.rejoin_step`` on, a membership short of a lost worker admits its newcomer:
+        with ``elastic.rejoin_wait``, there, waiting for it; otherwise once it is ready, at the step
+        worker 0 names when it sees that: the next one. No member of a synchronous membership can
+        be past that step then, since finishing the step before it takes worker 0's part (an
+        asynchronous one asks at its first boundary from it on)."""
+        if self.rejoin_step is None or step < self.rejoin_step or len(self.members) >= self.world_size:
+            return False
+        if self.rejoin_wait:
+            return True
+        epoch = self.epoch
+        if epoch not in self._join_at:
+            if self.world.rank == 0 and self._store.check([joinable_key(epoch)]):
+                self._store.set(join_at_key(epoch), str(step + 1))
+            if not self._store.check([join_at_key(epoch)]):
+                return False
+            self._join_at[epoch] = int(self._store.get(join_at_key(epoch)))
+        return step >= self._join_at[epoch]
 
     def admitted(self, resume: int | None) -> int:
         """A newcomer, after its synchronizer's setup over the admitting membership and its
@@ -264,7 +292,7 @@ class Membership:
             if asking:
                 raise MembershipLost(f"worker {self.worker}: from elastic.rejoin_step={self.rejoin_step} on no "
                                      f"newcomer was admitted within timeouts.collective_s={self.timeout_s:g} (not "
-                                     "ready, or a member never reached a step boundary to ask)") from None
+                                     "ready, or a member never reached the step boundary to ask at)") from None
             raise MembershipLost(f"worker {self.worker}: a collective failed ({exc}) and no new membership was "
                                  f"announced within timeouts.collective_s={self.timeout_s:g}") from exc
         return newest_announcement(self._store, self.epoch + 1)

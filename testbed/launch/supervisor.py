@@ -32,7 +32,7 @@ from typing import Any, TextIO
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from testbed.elastic.membership import JOIN_ENV, admit_key, epoch_key, ready_key
+from testbed.elastic.membership import JOIN_ENV, admit_key, epoch_key, joinable_key, ready_key
 from testbed.launch import rank_server
 from testbed.launch.spawn import RankFailure, launch_environment, loopback_env
 from testbed.netem.rank import namespace_store
@@ -113,6 +113,7 @@ class _Watch:
         self.waiting: dict[int, int] = {}  # newcomer -> the epoch it was started after, until admitted
         self.results: dict[int, Any] = {}
         self.epoch = 0
+        self.joinable = -1  # the newest epoch told that a newcomer is ready
 
     def run(self, interval_s: float) -> dict[int, Any]:
         live = set(self.ranks)
@@ -163,15 +164,18 @@ class _Watch:
         log.warning("worker %d lost (%s): membership %d goes on with workers %s", rank, cause, self.epoch, survivors)
 
     def _admit(self) -> None:
-        """Once every member has asked (from elastic.rejoin_step on: each waits at a step boundary),
-        announce the membership that admits the newcomers ready to join; one started later waits
-        until the run ends, never admitted."""
-        if not self.waiting or not self.store.check([admit_key(self.epoch)]):
-            return
-        if self.store.add(admit_key(self.epoch), 0) < len(self.members):
+        """Once a newcomer is ready, say so (the members choose the step they admit it at), and once
+        every member has asked (each waits at that step's boundary), announce the membership that
+        admits the newcomers ready; one ready too late waits until the run ends, never admitted."""
+        if not self.waiting:
             return
         ready = sorted(w for w, after in self.waiting.items() if self.store.check([ready_key(w, after)]))
         if not ready:
+            return
+        if self.joinable < self.epoch:  # worker 0 names the step the members admit it at
+            self.store.set(joinable_key(self.epoch), "1")
+            self.joinable = self.epoch
+        if not self.store.check([admit_key(self.epoch)]) or self.store.add(admit_key(self.epoch), 0) < len(self.members):
             return
         for worker in ready:
             del self.waiting[worker]
