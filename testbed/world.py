@@ -119,7 +119,7 @@ def _store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
         return store
     port = int(os.environ["MASTER_PORT"])
     if rank == 0:
-        return loopback_store(port, world_size, timeout)
+        return bound_store(port, world_size, timeout)
     return dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
 
 
@@ -130,7 +130,7 @@ def launcher_store(timeout: timedelta) -> dist.TCPStore:
                          timeout=timeout)
 
 
-def loopback_store(port: int, world_size: int | None, timeout: timedelta, host: str = "127.0.0.1") -> dist.TCPStore:
+def bound_store(port: int, world_size: int | None, timeout: timedelta, host: str = "127.0.0.1") -> dist.TCPStore:
     """A TCPStore served on ``host:port`` (loopback by default; port 0: a free one, its ``.port``),
     waiting for ``world_size`` clients (None: for none). torch binds its own stores to every
     interface; given a socket bound by the caller, it serves on that one."""

@@ -6,7 +6,9 @@ ways. Its collective fails (a peer's socket closed), or, when it waits on a live
 itself stopped on the failure, a watcher thread sees the announcement and shuts this rank's
 connections of the old group down. Gloo has no abort that wakes a peer blocked in a receive (a
 destroyed or aborted group keeps its sockets open, and that peer waits out the collective timeout),
-so shutting the sockets is what wakes it, within milliseconds.
+so shutting the sockets is what wakes it, within milliseconds. The watcher also tells the
+parameter servers (Synchronizer.membership_changed), whose refusal wakes a survivor blocked in a
+pull that waits for the lost worker's push.
 
 Then every survivor leaves the old group, forms the new one (its keys under ``epoch<k>/``, ranks
 renumbered in worker order), and agrees on the newest commit any survivor holds: its holder
@@ -14,14 +16,15 @@ broadcasts parameters, buffers and optimizer state, and training goes on from th
 A step that was cut off inside a collective is done again by the new membership.
 
 A newcomer (``elastic.rejoin_step``) takes a lost worker's place: the launcher starts it at once,
-and it says when it is ready (``elastic/ready/...``). At its first step boundary from
-``rejoin_step`` on at which it knows of the loss (in the all-reduce family and the servers' sync
-mode, the boundary before ``rejoin_step`` itself: every worker is there, so none is interrupted),
-each worker asks the launcher to admit it (``admit_key``) and waits. Once every member has asked,
-the launcher admits it to the parameter servers, if any, and announces the membership that has it.
-The members form its group, commit the step before it and broadcast it as above, and the newcomer
-takes part from the step after the commit. Beside parameter servers, which hold the model, only the
-buffers are broadcast, and the newcomer takes part from the step the servers admitted it at.
+and it says when it is ready (``elastic/ready/...``); the launcher passes that on
+(``joinable_key``), and worker 0 names the next step (``join_at_key``; with ``elastic.rejoin_wait``,
+``rejoin_step`` itself). At that step's boundary (one no worker is past, so none is interrupted)
+each member asks the launcher to admit it (``admit_key``) and waits; once every member has asked,
+the launcher announces the membership that has it. The members tell the parameter servers, if
+any (Synchronizer.membership_changed, as for a loss), form its group, commit the step before it
+and broadcast it as above, and the newcomer takes part from the step after the commit. Beside
+parameter servers, which hold the model, only the buffers are broadcast, and the newcomer takes
+part from the step the servers admitted it at.
 """
 
 from __future__ import annotations
@@ -96,7 +99,7 @@ def newest_announcement(store: dist.Store, epoch: int) -> dict[str, Any]:
 
 def join_world(device: torch.device, backend: str, timeout_s: float, after: int) -> tuple[World, dict[str, Any]]:
     """A newcomer's world: say it is ready, wait for the membership that admits it, and form its
-    group with its peers (who form it at the boundary before ``elastic.rejoin_step``)."""
+    group with its peers (who form it at the step boundary they admit it at)."""
     worker = env_rank_layout()[0]
     timeout = timedelta(seconds=timeout_s)
     store = launcher_store(timeout)

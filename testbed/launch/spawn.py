@@ -31,7 +31,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handl
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from testbed.launch import rank_server
-from testbed.world import LOOPBACK_STORE_ENV, loopback_store
+from testbed.world import LOOPBACK_STORE_ENV, bound_store
 
 LOOPBACK_RENDEZVOUS = "testbed-loopback"
 
@@ -47,7 +47,7 @@ class _LoopbackBackend(C10dRendezvousBackend):
 def _loopback_rendezvous(params: RendezvousParameters) -> RendezvousHandler:
     """torch's c10d rendezvous handler (what ``rdzv_backend="c10d"`` creates) over a store that
     listens on a fresh loopback port instead of every interface."""
-    store = loopback_store(0, None, timedelta(seconds=params.get_as_int("read_timeout", 60) or 60))
+    store = bound_store(0, None, timedelta(seconds=params.get_as_int("read_timeout", 60) or 60))
     return create_handler(store, _LoopbackBackend(store, params.run_id), params)
 
 

@@ -37,7 +37,7 @@ from testbed.launch import rank_server
 from testbed.launch.spawn import RankFailure, launch_environment, loopback_env
 from testbed.netem.rank import namespace_store
 from testbed.rank_failure import recorded
-from testbed.world import LAUNCHER_STORE_ENV, loopback_store
+from testbed.world import LAUNCHER_STORE_ENV, bound_store
 
 log = logging.getLogger("testbed")
 STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL: a rank flushes its metrics on SIGTERM (testbed.launch.rank)
@@ -64,7 +64,7 @@ def supervise_world(
     rank_server.start_rank_server(entry.__module__)
     context = multiprocessing.get_context("forkserver")
     timeout = timedelta(seconds=rendezvous_timeout_s)
-    store = loopback_store(0, None, timeout) if store_host is None else namespace_store(*store_host, timeout)
+    store = bound_store(0, None, timeout) if store_host is None else namespace_store(*store_host, timeout)
     host = "127.0.0.1" if store_host is None else store_host[1]
     run_dir = log_dir / f"testbed-{uuid.uuid4().hex[:12]}" / "attempt_0"
     launch_env = {**loopback_env(), LAUNCHER_STORE_ENV: "1", **(env or {})}

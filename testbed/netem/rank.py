@@ -18,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from testbed.latency import set_latency_ms
-from testbed.world import LAUNCHER_STORE_ENV, LOOPBACK_STORE_ENV, loopback_store
+from testbed.world import LAUNCHER_STORE_ENV, LOOPBACK_STORE_ENV, bound_store
 
 NETNS_ENV = "TESTBED_NETNS"
 STORE_PORT = 29500  # each run has its own network stack, so a fixed port cannot collide
@@ -45,7 +45,7 @@ def namespace_store(namespace: str, address: str, timeout: timedelta) -> dist.TC
     def build() -> None:
         try:
             enter_namespace(namespace)
-            built["store"] = loopback_store(0, None, timeout, host=address)
+            built["store"] = bound_store(0, None, timeout, host=address)
         except BaseException as exc:  # raised again on the caller's thread
             built["error"] = exc
 

@@ -135,12 +135,12 @@ class ParameterServerSync(Synchronizer):
         self._params_up()
 
     def regroup(self, world: World, epoch: int) -> int | None:
-        """Go on in membership ``epoch`` (elastic.enabled) from where the servers are: the launcher
-        has dropped the lost worker from them, and a step short of its pushes was dropped with it
-        (testbed.ps.policies), so this worker's clock (its pushes the servers count) is the step to
-        go on from (a newcomer's: the step the servers admitted it at). A lost worker whose push
-        reached some shards' completed step and not others' leaves the shards at different steps,
-        which no step can go on from."""
+        """Go on in membership ``epoch`` (elastic.enabled) from where the servers are: the workers
+        have dropped the lost worker from them (membership_changed), and a step short of its
+        pushes was dropped with it (testbed.ps.policies), so this worker's clock (its pushes the
+        servers count) is the step to go on from (a newcomer's: the step the servers admitted it
+        at). A lost worker whose push reached some shards' completed step and not others' leaves
+        the shards at different steps, which no step can go on from."""
         from testbed.elastic.membership import MembershipLost
 
         self.world, self.needed = world, world.world_size - self.backup
