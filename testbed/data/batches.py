@@ -32,11 +32,15 @@ class RankBatches:
     def __init__(self, inputs: torch.Tensor, targets: torch.Tensor, sizes: list[int], rank: int, seed: int) -> None:
         self.inputs, self.targets = inputs, targets
         self.rank, self.seed = rank, seed
-        self.global_batch = sum(sizes)
         # (first batch, its first position, global batch) of each segment, in order
-        self.segments: list[tuple[int, int, int]] = [(0, 0, self.global_batch)]
+        self.segments: list[tuple[int, int, int]] = [(0, 0, sum(sizes))]
         self.resize(sizes)
         self._orders: dict[int, torch.Tensor] = {}
+
+    @property
+    def global_batch(self) -> int:
+        """The current segment's: samples per step over all ranks."""
+        return self.segments[-1][2]
 
     def resize(self, sizes: list[int], rank: int | None = None) -> None:
         """From the next batch on, every rank's samples per step are ``sizes`` (balance=..., or a new
@@ -55,7 +59,6 @@ class RankBatches:
         order goes on from batch ``first``'s position, with no sample taken twice or left out."""
         start = self.position(first)
         self.segments = [s for s in self.segments if s[0] < first] + [(first, start, sum(sizes))]
-        self.global_batch = sum(sizes)
         self.resize(sizes, rank)
 
     def position(self, i: int) -> int:
