@@ -84,6 +84,13 @@ def ring(n: int, nbytes: float) -> Cost:
     return Cost(2 * (n - 1), 2 * share, share)
 
 
+def ring_allgather(n: int, nbytes: float) -> Cost:
+    """The ring's all-gather alone: n-1 steps of M/n each, nothing reduced (ZeRO-3's parameter gathers)."""
+    _check(n, nbytes)
+    share = (n - 1) / n * nbytes
+    return Cost(n - 1, share, 0.0)
+
+
 def recursive_doubling(n: int, nbytes: float) -> Cost:
     """h exchanges of the whole buffer, each followed by a full reduction."""
     _check(n, nbytes)

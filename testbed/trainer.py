@@ -25,6 +25,7 @@ from testbed.eval.schedule import LrSchedule
 from testbed.faults import FaultInjector, NonFiniteLoss
 from testbed.imbalance import Injector
 from testbed.imbalance import loss_weight as rank_loss_weight
+from testbed.memory import model_state_bytes
 from testbed.models.call import ModelCall
 from testbed.results.step_log import StepLog
 from testbed.stall import Arrivals
@@ -92,6 +93,7 @@ class Trainer:
         self.worker = membership.worker if membership is not None else world.rank
         self.began = time.perf_counter()  # the run's clock (MLPerf's: it never stops, evaluation included)
         self.clock_origin = clock_origin  # when the run's clock started, in an earlier attempt (time.time())
+        self.model_state: dict[str, int] | None = None  # bytes this rank holds, by kind (testbed.memory)
 
     def run(self) -> list[StepRecord]:
         world, sync = self.world, self.sync
@@ -126,6 +128,8 @@ class Trainer:
                     losses, samples = [], 0
                 if not sync.steps_optimizer:
                     self.optimizer.step()
+                if self.model_state is None:  # once: the optimizer state exists, the gradients still do
+                    self.model_state = model_state_bytes(sync.held())
                 sync.zero_grad()
                 clock.mark("optimizer")
                 times = clock.finish()

@@ -26,37 +26,40 @@ def ring_allreduce_(
 
 
 def ring_reduce_scatter_(
-    buf: torch.Tensor, group: dist.ProcessGroup | None = None, scratch: torch.Tensor | None = None
+    buf: torch.Tensor, group: dist.ProcessGroup | None = None, scratch: torch.Tensor | None = None, shift: int = 1
 ) -> Traffic:
     """The ring's first half: afterwards rank r of ``group`` holds the full sum of chunk
-    ``(r + 1) mod n`` of ``chunk_bounds(numel, n)`` (the other chunks hold partial sums)."""
+    ``(r + shift) mod n`` of ``chunk_bounds(numel, n)`` (the other chunks hold partial sums). The
+    all-reduce continues from shift 1, where each rank's first send is its own chunk; shift 0 leaves
+    rank r its own chunk r (sharded optimizers)."""
     n, rank, right, left = _ring(group)
     traffic = Traffic()
     if n == 1:
         return traffic
     bounds = chunk_bounds(buf.numel(), n)
     tmp_all = scratch_for(scratch, buf, bounds[0][1] - bounds[0][0])
-    # At step s rank r passes chunk (r - s) to the right and adds chunk (r - s - 1) from the left.
+    # At step s rank r passes chunk (r + shift - 1 - s) to the right and adds chunk (r + shift - 2 - s) from the left.
     for s in range(n - 1):
-        send_lo, send_hi = bounds[(rank - s) % n]
-        recv_lo, recv_hi = bounds[(rank - s - 1) % n]
+        send_lo, send_hi = bounds[(rank + shift - 1 - s) % n]
+        recv_lo, recv_hi = bounds[(rank + shift - 2 - s) % n]
         tmp = tmp_all[: recv_hi - recv_lo]
         _exchange(buf[send_lo:send_hi], right, tmp, left, group, traffic, buf.element_size())
         buf[recv_lo:recv_hi].add_(tmp)
     return traffic
 
 
-def ring_allgather_chunks_(buf: torch.Tensor, group: dist.ProcessGroup | None = None) -> Traffic:
-    """The ring's second half: from rank r holding chunk ``(r + 1) mod n`` complete (as the
-    reduce-scatter leaves it), pass the completed chunks around, received straight into place."""
+def ring_allgather_chunks_(buf: torch.Tensor, group: dist.ProcessGroup | None = None, shift: int = 1) -> Traffic:
+    """The ring's second half: from rank r holding chunk ``(r + shift) mod n`` complete (as the
+    reduce-scatter of the same ``shift`` leaves it), pass the completed chunks around, received
+    straight into place."""
     n, rank, right, left = _ring(group)
     traffic = Traffic()
     if n == 1:
         return traffic
     bounds = chunk_bounds(buf.numel(), n)
     for s in range(n - 1):
-        send_lo, send_hi = bounds[(rank + 1 - s) % n]
-        recv_lo, recv_hi = bounds[(rank - s) % n]
+        send_lo, send_hi = bounds[(rank + shift - s) % n]
+        recv_lo, recv_hi = bounds[(rank + shift - 1 - s) % n]
         _exchange(buf[send_lo:send_hi], right, buf[recv_lo:recv_hi], left, group, traffic, buf.element_size())
     return traffic
 

@@ -11,7 +11,6 @@ import hashlib
 import logging
 import math
 import os
-import resource
 import signal
 import sys
 import threading
@@ -37,6 +36,7 @@ from testbed.eval.evaluate import Evaluator
 from testbed.eval.schedule import schedule_of
 from testbed.faults import FaultInjector
 from testbed.imbalance import Injector, loss_weight, shard_batches
+from testbed.memory import model_state_formula, peak_memory, rss_now_peak
 from testbed.models import build_model, gradient_bytes, model_heldout, objective_batches, workload_facts
 from testbed.models.call import model_call
 from testbed.netem import enter_rank_namespace
@@ -107,6 +107,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
         spec, data = built or build_data(cfg.data, sizes, world.rank, cfg.seed, world.device)
         train_samples = data.describe().get("samples")  # the training split's size, for epochs
         batches = objective_batches(cfg.model, data, spec, cfg.seed, world.rank)
+        baseline_rss = rss_now_peak()  # what the process holds before the model: data, libraries
         model = build_model(cfg.model, spec).to(world.device)
         if cfg.sync_bn:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -171,7 +172,9 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
         if buffers.flats:
             buffers.sync()  # the final model's buffers, whatever the last step was
         facts = {"workload": workload_facts(cfg.model, spec, model), "buffers": buffers.describe(),
-                 "data": batches.describe()}
+                 "data": batches.describe(),
+                 "memory": {"model_state": trainer.model_state, "formula": model_state_formula(cfg.optim, sync),
+                            "baseline_rss_bytes": baseline_rss, **peak_memory(world.device)}}
         if evaluator is not None:
             last = records[-1].step if records else -1
             if evaluator.at_end and (not evaluator.rows or evaluator.rows[-1]["step"] != last):
@@ -210,8 +213,8 @@ def _finish(
     """After the last step: one all-reduce of enter times (for t_wait), then rank 0 gathers the records."""
     facts = {
         **run_facts,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "cuda_peak_bytes": torch.cuda.max_memory_allocated(world.device) if world.device.type == "cuda" else None,
+        "peak_rss_bytes": run_facts["memory"]["peak_rss_bytes"],
+        "cuda_peak_bytes": run_facts["memory"].get("cuda_peak_bytes"),
         "param_hash": param_hash(model),
         "buffer_hash": buffer_hash(model),
         "gradient_bytes": gradient_bytes(model),

@@ -165,6 +165,7 @@ def summarize(
     if per_rank:
         summary["peak_rss_bytes"] = [p["peak_rss_bytes"] for p in per_rank]
         summary["cuda_peak_bytes"] = [p.get("cuda_peak_bytes") for p in per_rank]
+        summary["memory"] = _memory([p.get("memory") or {} for p in per_rank])
         hashes = [p["param_hash"] for p in per_rank]
         summary["param_hash"] = hashes
         summary["replicas_identical"] = len(set(hashes)) == 1  # parameters and buffers, bitwise
@@ -189,6 +190,13 @@ def summarize(
     summary["config_hash"] = config_hash(cfg)
     summary["config"] = cfg
     return summary
+
+
+def _memory(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """testbed.memory's facts, each a list by rank: the model state counted and by ZeRO's formula
+    (bytes by kind), and the memory measured."""
+    keys = dict.fromkeys(key for facts in per_rank for key in facts)
+    return {key: [facts.get(key) for facts in per_rank] for key in keys}
 
 
 def _mean_loss(by_step: list[dict[int, StepRecord]], step: int) -> float | None:

@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from testbed.memory import Sharding, optimizer_tensors
 from testbed.schema import typed
 from testbed.world import World
 
@@ -121,6 +122,22 @@ class Synchronizer(ABC):
     def describe(self) -> dict[str, Any]:
         """Facts worth recording in summary.json (algorithm actually used, buffer sizes, ...)."""
         return {}
+
+    def held(self) -> dict[str, list[torch.Tensor | None]]:
+        """The model state this rank holds, by kind (testbed.memory): the parameters, their
+        gradients and the optimizer's state. A synchronizer that shards any of them says so here."""
+        params = list(self.model.parameters())
+        return {"params": params, "grads": [p.grad for p in params], "optimizer": optimizer_tensors(self.optimizer)}
+
+    def sharding(self) -> Sharding | None:
+        """How ``held`` lays the model state out, for ZeRO's formula (testbed.memory): here every
+        rank holds all of it; None where the formula does not apply."""
+        params = list(self.model.parameters())
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            return None
+        psi = sum(p.numel() for p in params)
+        return Sharding(None, psi, psi, params[0].element_size(), sum(1 for p in params if p.requires_grad))
 
     def close(self) -> None:
         """Release buffers, threads and connections."""

@@ -336,6 +336,10 @@ class ParameterServerSync(Synchronizer):
     def zero_grad(self) -> None:
         self.flat_grads.zero_()
 
+    def sharding(self) -> None:
+        """The servers hold the optimizer state and step it: ZeRO's table has no row for a worker."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         from testbed.ps.client import describe_stats
 
