@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
@@ -28,7 +29,7 @@ from testbed.eval.schedule import check_schedule
 from testbed.faults import FAULTS
 from testbed.help import app_help
 from testbed.imbalance import IMBALANCES
-from testbed.models import MODELS, check_fits, check_model, model_kind
+from testbed.models import MODELS, build_model, check_fits, check_model, model_kind
 from testbed.models.call import model_call
 from testbed.network import NETWORKS
 from testbed.optim import SCHEMAS as OPTIM_SCHEMAS
@@ -215,6 +216,11 @@ def _validate_model(cfg: DictConfig) -> None:
         check_fits(cfg.model, spec)
     except ValueError as exc:
         raise ConfigError(f"{exc}") from None
+    unshardable = SYNCHRONIZERS[cfg.sync.name].unshardable
+    if unshardable is not None:
+        with torch.device("meta"):  # shapes only
+            why = unshardable(build_model(cfg.model, spec))
+        require(why is None, f"sync={cfg.sync.name} with model={cfg.model.name}: {why}")
 
 
 def _validate_compress(cfg: DictConfig) -> None:

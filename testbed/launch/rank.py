@@ -168,9 +168,10 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
         finally:
             step_log.close()  # everything written before the exchange (or the crash report)
             batches.close()
-        sync.finalize()
         if buffers.flats:
             buffers.sync()  # the final model's buffers, whatever the last step was
+        sync.finalize()
+        model = sync.model  # the final model (a sharding synchronizer's whole copy of it)
         facts = {"workload": workload_facts(cfg.model, spec, model), "buffers": buffers.describe(),
                  "data": batches.describe(),
                  "memory": {"model_state": trainer.model_state, "formula": model_state_formula(cfg.optim, sync),

@@ -114,6 +114,8 @@ class SyncSpec:
     # testbed.elastic); None: its survivors regroup (a new process group, set up again, and the
     # last commit restored).
     inelastic: str | None = "its state is not rebuilt for a new membership"
+    # Why it cannot shard a model (built on the meta device), None when it can; None: it shards nothing.
+    unshardable: Callable[[Any], str | None] | None = None
 
     def local_servers(self, cfg: Any) -> int:
         return self.servers.count(cfg) if self.servers else 0

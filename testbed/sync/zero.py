@@ -277,6 +277,14 @@ def _check(cfg: Any) -> None:
             "drop checkpoint.every and resume")
 
 
+def unshardable(model: nn.Module) -> str | None:
+    """Why the flat buffers cannot hold ``model``'s trainable parameters (built on the meta device)."""
+    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+    if len(dtypes) > 1:
+        return f"its flat buffers hold one dtype; the model's parameters have {sorted(map(str, dtypes))}"
+    return None if dtypes else "the model has no trainable parameters"
+
+
 def _cost(cfg: Any) -> Any:
     n = int(cfg.world_size)
     if int(cfg.sync.stage) == 3:  # the parameters gathered twice (forward, backward), the gradients reduce-scattered
@@ -291,4 +299,5 @@ SPEC = SyncSpec(
     no_codec="its reduce-scatter carries no codec yet",
     averaged_gradient=lambda cfg: "ZeRO keeps only this rank's shard of the averaged gradient",
     inelastic="each rank's shard of the state is not redistributed over a new membership",
+    unshardable=unshardable,
 )
