@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,3 +73,22 @@ def build_optimizer(cfg: Any, params: Iterable[torch.nn.Parameter]) -> torch.opt
             params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
         )
     raise ValueError(f"optim={cfg.name}: unknown; allowed: {'|'.join(SCHEMAS)}")
+
+
+def settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer``'s settings, as its constructor takes them."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    return {k: v for k, v in optimizer.defaults.items() if k in accepted}
+
+
+def like(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """An optimizer of ``optimizer``'s kind and settings over ``params`` (a rank's shard)."""
+    return type(optimizer)(params, **settings(optimizer))
+
+
+def follow(leader: torch.optim.Optimizer, follower: torch.optim.Optimizer) -> None:
+    """Give ``follower``'s groups the settings of ``leader``'s (the trainer's, whose learning rate
+    the schedule sets each step) before ``follower`` steps."""
+    current = {key: value for key, value in leader.param_groups[0].items() if key != "params"}
+    for group in follower.param_groups:
+        group.update(current)

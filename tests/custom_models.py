@@ -78,3 +78,14 @@ class LabelledClassifier(nn.Module):
         logits = self.classifier(pixel_values.flatten(1))
         loss = F.cross_entropy(logits, labels) if labels is not None else None
         return SequenceClassifierOutput(loss=loss, logits=logits)
+
+
+class Tempered(TwoLayer):
+    """TwoLayer with a learned temperature: a scalar parameter, which FSDP2 cannot shard."""
+
+    def __init__(self, in_features: int, hidden: int, num_classes: int = 10) -> None:
+        super().__init__(in_features, hidden, num_classes)
+        self.temperature = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) / self.temperature

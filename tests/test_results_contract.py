@@ -16,7 +16,7 @@ STEPS = 8
 SUMMARY_FIELDS = (
     "status", "error", "sync", "world_size", "steps", "global_batch", "throughput", "step_time", "phases",
     "imbalance", "imbalance_p10", "imbalance_p90", "idle_fraction", "per_rank", "slowest_ranks", "bytes_per_step", "final_loss", "peak_rss_bytes", "cuda_peak_bytes",
-    "versions", "config_hash", "replicas_identical",
+    "versions", "config_hash", "replicas_identical", "memory",
 )
 
 
@@ -47,6 +47,9 @@ def test_four_jobs_each_with_a_complete_contract(sweep: tuple[Path, str]) -> Non
         assert set(SUMMARY_FIELDS) <= set(summary)
         n = summary["world_size"]
         assert len(summary["peak_rss_bytes"]) == n and all(b > 0 for b in summary["peak_rss_bytes"])
+        memory = summary["memory"]  # every rank's model state, counted and by ZeRO's formula (replicated here)
+        assert memory["model_state"] == memory["formula"] and len(memory["model_state"]) == n
+        assert memory["model_state"][0]["params"] == summary["gradient_bytes"] > 0
         assert summary["global_batch"] == 32 * n and summary["steps"] == STEPS
         for rank in range(n):
             records = read_jsonl(job / "metrics" / f"rank{rank}.jsonl")

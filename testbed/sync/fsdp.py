@@ -25,9 +25,9 @@ from torch import nn
 from testbed.checks import require
 from testbed.costs import ring, ring_allgather
 from testbed.memory import Sharding, optimizer_tensors
+from testbed.optim import follow, like
 from testbed.sync.base import Synchronizer, SyncReport
 from testbed.sync.spec import SimModel, SyncBase, SyncSpec
-from testbed.sync.zero import like
 from testbed.world import World
 
 
@@ -104,9 +104,7 @@ class Fsdp(Synchronizer):
     def after_backward(self, step: int, is_boundary: bool = True) -> SyncReport:
         if not is_boundary:
             return SyncReport()
-        settings = self.optimizer.param_groups[0]  # this step's lr, as the trainer set it
-        for group in self.shard_optimizer.param_groups:
-            group.update({key: value for key, value in settings.items() if key != "params"})
+        follow(self.optimizer, self.shard_optimizer)
         self.shard_optimizer.step()
         return SyncReport(bytes_sent=self._bytes, bytes_recv=self._bytes)
 

@@ -14,7 +14,6 @@ trainer's own optimizer never steps and only carries the learning rate of each s
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -28,6 +27,7 @@ from testbed.checks import require
 from testbed.collectives.common import Traffic
 from testbed.costs import ring, ring_allgather
 from testbed.memory import Sharding, optimizer_tensors
+from testbed.optim import follow, like
 from testbed.sync.base import GradReadiness, Synchronizer, SyncReport
 from testbed.sync.flat import bucket_ends, busy_time
 from testbed.sync.gather import LayerGather, layers
@@ -36,6 +36,8 @@ from testbed.sync.spec import SimModel, SyncBase, SyncSpec, require_gloo_cpu
 from testbed.world import World
 
 STAGES = (1, 2, 3)
+# The codecs a reduce-scatter carries: elementwise casts, whose payload is chunked as the gradients are.
+WIRE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -78,7 +80,9 @@ class Zero(Synchronizer):
                 shard.grad = self.shard_grads[offset : offset + shard.numel()]
                 offset += shard.numel()
         self.shard_optimizer = like(optimizer, shards)
-        self.scratch = torch.empty(max(u.numel for u in self.units) // n + 1, dtype=shards[0].dtype,
+        # The gradients' wire dtype: a cast codec's (compress=fp16|bf16), or their own.
+        self.wire: torch.dtype | None = WIRE.get(self.compress.name) if self.compress else None
+        self.scratch = torch.empty(max(u.numel for u in self.units) // n + 1, dtype=self.wire or shards[0].dtype,
                                    device=world.device)
         self.comm = Comm(thread=self.stage == 3 and int(self.cfg.prefetch) > 0 and n > 1)
         self._flights: list[Future[None]] = []
@@ -157,21 +161,23 @@ class Zero(Synchronizer):
             self._next += 1
 
     def _reduce(self, index: int) -> None:
-        """Reduce-scatter unit ``index``'s gradients into this rank's shard of them, averaged."""
+        """Reduce-scatter unit ``index``'s gradients into this rank's shard of them, averaged (the
+        mean taken before the sum where the wire carries a cast, as torch's fp16 hook takes it)."""
         unit, n = self.units[index], self.world.world_size
-        if self.stage == 1:
-            flat = self.flat_grads[unit.at : unit.at + unit.numel]
-        else:
-            flat = stage_grads(unit)
+        flat = self.flat_grads[unit.at : unit.at + unit.numel] if self.stage == 1 else stage_grads(unit)
         lo, hi = unit.own
+        into = flat[lo:hi] if self.stage == 1 else unit.shard.grad if unit.shard is not None else None
 
         def job() -> Traffic:
-            traffic = reduce_scatter_(flat, self.scratch)
-            if unit.shard is not None:
-                if self.stage == 1:
-                    flat[lo:hi].div_(n)
-                else:
-                    torch.div(flat[lo:hi], n, out=unit.shard.grad)
+            if self.wire is None:
+                traffic = reduce_scatter_(flat, self.scratch)
+                if into is not None:
+                    torch.div(flat[lo:hi], n, out=into)
+                return traffic
+            payload = flat.div(n).to(self.wire)
+            traffic = reduce_scatter_(payload, self.scratch)
+            if into is not None:
+                into.copy_(payload[lo:hi])
             return traffic
 
         self._flights.append(self.comm.run(job))
@@ -203,9 +209,7 @@ class Zero(Synchronizer):
 
     def _step_shards(self) -> None:
         """Step the shard's optimizer with the trainer's optimizer's settings for this step (its lr)."""
-        settings = self.optimizer.param_groups[0]
-        for group in self.shard_optimizer.param_groups:
-            group.update({key: value for key, value in settings.items() if key != "params"})
+        follow(self.optimizer, self.shard_optimizer)
         self.shard_optimizer.step()
 
     def zero_grad(self) -> None:
@@ -259,12 +263,6 @@ class Zero(Synchronizer):
             self.comm.close()
 
 
-def like(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    """An optimizer of ``optimizer``'s kind and settings over ``params``."""
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    return type(optimizer)(params, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
-
-
 def _check(cfg: Any) -> None:
     sync = cfg.sync
     require(sync.stage in STAGES, f"sync.stage={sync.stage}: allowed: {'|'.join(map(str, STAGES))}")
@@ -272,6 +270,12 @@ def _check(cfg: Any) -> None:
             f"sync.bucket_mb={sync.bucket_mb}: must be > 0 MB (null: one unit for all parameters)")
     require(sync.prefetch >= 0, f"sync.prefetch={sync.prefetch}: must be >= 0 (0: each layer gathered when needed)")
     require_gloo_cpu(cfg, "sync=zero")
+    codec = cfg.compress.name
+    require(codec == "none" or codec in WIRE,
+            f"compress={codec} with sync=zero sync.stage={sync.stage}: the reduce-scatter hands each rank a chunk of "
+            f"the gradients, which only an elementwise codec's payload has; use compress={'|'.join(WIRE)}, or compress=none")
+    require(codec == "none" or not cfg.compress.error_feedback,
+            f"compress={codec} compress.error_feedback=true with sync=zero: its residual is not kept; drop error_feedback")
     require(not cfg.checkpoint.every and not cfg.resume,
             "sync=zero keeps each rank's shard of the optimizer state, which checkpoints do not save yet; "
             "drop checkpoint.every and resume")
@@ -296,7 +300,7 @@ SPEC = SyncSpec(
     name="zero", schema=ZeroSyncConfig, impl=Zero, check=_check,
     sim=SimModel(series=lambda cfg: "ring", cost=_cost, overlap=lambda cfg: False),
     label=lambda sync: f"zero-{sync.get('stage')}",
-    no_codec="its reduce-scatter carries no codec yet",
+    compresses=True,
     averaged_gradient=lambda cfg: "ZeRO keeps only this rank's shard of the averaged gradient",
     inelastic="each rank's shard of the state is not redistributed over a new membership",
     unshardable=unshardable,
