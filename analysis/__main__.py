@@ -8,7 +8,8 @@ held-out target with its interval (analysis.accuracy), steps to target against t
 with the critical batch fitted and B_simple's prediction (analysis.critical_batch), the per-step
 time breakdown, and, where runs differ in codec, each codec against none under each synchronizer,
 and on two-level networks what crossed each machine's uplink; where a worker was lost, elastic
-membership against a restart (analysis.elastic). Given the JSON records of
+membership against a restart (analysis.elastic); model state and peak memory per rank against
+throughput, with ZeRO's formula (analysis.memory). Given the JSON records of
 ``python -m testbed.bench`` (and ``testbed.bench.ps``), it draws the collective benchmark (figure 2)
 with the alpha-beta fits the simulator uses.
 """
@@ -28,6 +29,7 @@ from analysis import (
     dashboard,
     elastic,
     figures,
+    memory,
     published,
     topology,
     validation,
@@ -104,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     written += figs
     sections.append(section)
     figs, section = elastic.analyse(summaries, out)
+    written += figs
+    sections.append(section)
+    figs, section = memory.analyse(summaries, out)
     written += figs
     sections.append(section)
     if args.calibration:
