@@ -97,9 +97,10 @@ def run_case(case: dict[str, Any], world: World) -> dict[str, Any]:
     expected = reference(case)
     got = {name: p.detach() for name, p in sync.model.named_parameters()}
     digest = hashlib.sha256(b"".join(p.numpy().tobytes() for p in got.values())).hexdigest()
+    facts = sync.describe()
     sync.close()
     return {"error": relative_error(got, expected), "hash": digest, "state": state, "formula": formula,
-            "sent": sent, "psi": sum(p.numel() for p in model.parameters())}
+            "sent": sent, "psi": sum(p.numel() for p in model.parameters()), "facts": facts}
 
 
 CASES = [
@@ -158,6 +159,8 @@ def test_model_state_is_the_formula(world_results: tuple[int, dict[int, Any]], i
         assert got["state"] == got["formula"], (rank, CASES[index])
     # The shards add up to the model: every element is some rank's, once.
     psi, esize = results[0][index]["psi"], 4
+    if CASES[index].get("sync") == "zero_torch":  # whole tensors per rank
+        assert sum(results[0][index]["facts"]["shard_numel_by_rank"]) == psi
     kinds = {1: ("optimizer",), 2: ("optimizer", "grads"), 3: ("optimizer", "grads", "params")}[stage]
     if "grads" in kinds:
         assert sum(results[r][index]["state"]["grads"] for r in range(n)) == psi * esize

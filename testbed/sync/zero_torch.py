@@ -66,8 +66,9 @@ class TorchZero(Synchronizer):
 
     def describe(self) -> dict[str, Any]:
         # Each rank's share of the elements: whole tensors, so not psi / n.
-        partitions = self.zero.partition_parameters()
-        return {"stage": 1, "impl": "torch", "shard_numel_by_rank": [sum(p.numel() for p in ps) for ps in partitions]}
+        partitions = self.zero._partition_parameters()  # torch has no public name for it
+        return {"stage": 1, "impl": "torch",
+                "shard_numel_by_rank": [sum(p.numel() for group in groups for p in group["params"]) for groups in partitions]}
 
 
 @dataclass
