@@ -33,8 +33,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from testbed import sharded_checkpoint
 from testbed.checks import require
 from testbed.results.step_log import metrics_path, read_step_records
+from testbed.sharded_checkpoint import Pieces, Whole
 from testbed.step_record import StepRecord
 
 log = logging.getLogger(__name__)
@@ -136,10 +138,16 @@ def write_manifest(target: Path) -> None:
     os.replace(tmp, target / MANIFEST)
 
 
-def rank_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, injector_rng: random.Random) -> dict[str, Any]:
-    state = {
-        "model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
-        "optimizer": optimizer.state_dict(),
+def rank_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, injector_rng: random.Random,
+               pieces: Pieces | None = None) -> dict[str, Any]:
+    """This rank's checkpoint: the model and optimizer whole, or, for a synchronizer that shards
+    them, the model's buffers and the rank's ``pieces`` of the rest (testbed.sharded_checkpoint)."""
+    if pieces is None:
+        state: dict[str, Any] = {"model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+                                 "optimizer": optimizer.state_dict()}
+    else:
+        state = {"buffers": {k: v.detach().cpu().clone() for k, v in model.named_buffers()}, "pieces": pieces.as_dict()}
+    state |= {
         "torch_rng": torch.get_rng_state(),
         "python_rng": random.getstate(),
         "injector_rng": injector_rng.getstate(),
@@ -150,9 +158,26 @@ def rank_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, injecto
 
 
 def restore_training(state: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Parameters and optimizer state: before the synchronizer shares the model."""
+    """Parameters and optimizer state: before the synchronizer shares the model. A sharded
+    checkpoint's buffers only: the synchronizer takes its shard of the rest (``load_whole``)."""
+    if "pieces" in state:
+        model.load_state_dict(state["buffers"], strict=False)
+        return
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
+
+
+def load_whole(resume_dir: Path, model: torch.nn.Module) -> Whole:
+    """A sharded checkpoint's model state put together from every rank's pieces."""
+    path, _ = scan(resume_dir)
+    if path is None:
+        raise FileNotFoundError(f"resume={resume_dir}: no complete checkpoint")
+    return sharded_checkpoint.load_whole(path, {name: p.numel() for name, p in model.named_parameters()})
+
+
+def saved_world_size(resume_dir: Path) -> int:
+    """The world size of the run ``resume_dir`` holds (its summary's)."""
+    return int(json.loads((resume_dir / "summary.json").read_text())["world_size"])
 
 
 def restore_rng(state: dict[str, Any], injector_rng: random.Random) -> None:
@@ -170,6 +195,8 @@ def load(resume_dir: Path, rank: int) -> tuple[int, dict[str, Any]]:
     if path is None:
         raise FileNotFoundError(f"resume={resume_dir}: no complete checkpoint")
     file = path / f"rank{rank}.pt"
+    if not file.exists():  # more ranks than saved it (a sharded checkpoint): rank 0's buffers and generators
+        file = path / "rank0.pt"
     try:
         return checkpoint_step(path), torch.load(file, weights_only=False)
     except Exception as exc:  # whatever the unpickler raises: the file and its reason
@@ -199,9 +226,10 @@ class CheckpointConfig:
     keep: int = 2  # newest checkpoints kept
 
 
-def check_checkpoints(cfg: Any, plain: dict[str, Any]) -> None:
+def check_checkpoints(cfg: Any, plain: dict[str, Any], resizes: bool = False) -> None:
     """``checkpoint.*`` and ``resume``: a resumed run has a complete checkpoint, the same config
-    (``plain``, the resolved one) and steps left to run."""
+    (``plain``, the resolved one; ``resizes``: the world size aside, for a synchronizer whose sharded
+    checkpoints any number of ranks resumes) and steps left to run."""
     require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0 (0: no checkpoints)")
     require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
     if not cfg.resume:
@@ -212,7 +240,8 @@ def check_checkpoints(cfg: Any, plain: dict[str, Any]) -> None:
             f"({'; '.join(scan(resumed)[1]) or 'run it with checkpoint.every > 0'})")
     summary = resumed / "summary.json"
     require(summary.exists(), f"resume={cfg.resume}: no summary.json to compare the config with")
-    differ = mismatches(plain, json.loads(summary.read_text())["config"])
+    differ = [key for key in mismatches(plain, json.loads(summary.read_text())["config"])
+              if not (resizes and key == "world_size")]
     require(not differ, f"resume={cfg.resume}: the config differs in {', '.join(differ)}; resume with the same settings")
     step = checkpoint_step(found)
     require(step + 1 < cfg.steps, f"resume={cfg.resume}: its checkpoint is after step {step}; steps={cfg.steps} leaves nothing to run")

@@ -197,7 +197,7 @@ def validate(cfg: DictConfig, local_world_size: int | None = None, simulated: bo
     restarts = cfg.launcher.get("max_restarts", 0)
     require(isinstance(restarts, int) and restarts >= 0,
             f"launcher.max_restarts={restarts}: must be an integer >= 0 (0: a failed run stays failed)")
-    check_checkpoints(cfg, to_plain(cfg))
+    check_checkpoints(cfg, to_plain(cfg), SYNCHRONIZERS[cfg.sync.name].sharded_checkpoint)
     check_elastic(cfg)
 
     check_devices(cfg, local)

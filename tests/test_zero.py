@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import load_params, read_json, relative_error, run_cli, sync_config
+from conftest import load_params, read_json, read_jsonl, relative_error, run_cli, sync_config
 from omegaconf import OmegaConf
 from torch import nn
 
@@ -223,7 +223,6 @@ def test_cli_run_records_the_model_state(tmp_path: Path) -> None:
     (["sync=zero", "sync.stage=4"], "sync.stage=4: allowed: 1|2|3"),
     (["sync=zero", "sync.stage=3", "compress=topk"], "compress=topk with sync=zero sync.stage=3: the reduce-scatter"),
     (["sync=zero", "compress=fp16", "compress.error_feedback=true"], "its residual is not kept"),
-    (["sync=zero", "checkpoint.every=2"], "sync=zero keeps each rank's shard of the optimizer state"),
     (["sync=fsdp", "model=custom", "model.target=custom_models.Tempered", "+model.kwargs.in_features=32",
       "+model.kwargs.hidden=8", "data.shape=[32]"],
      "sync=fsdp with model=custom: fully_shard cannot shard scalar parameters (temperature)"),
@@ -233,3 +232,44 @@ def test_bad_input_is_refused_before_spawn(args: list[str], expected: str) -> No
     with pytest.raises(ConfigError) as info:
         check_command_line(["world_size=2", *args])
     assert expected in str(info.value)
+
+
+RESHARD = ["steps=8", "warmup_steps=1", "data.scaling=strong", "data.batch_size=60", "data.num_samples=120",
+           "data.shape=[24]", "model.hidden=32", "optim=adamw", "launcher.echo_rank0=false"]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 8 steps one process trains on the global batch: every resharded run must end there."""
+    job = tmp_path_factory.mktemp("reshard") / "ref"
+    proc = run_cli(["sync=none", "world_size=1", *RESHARD, f"hydra.run.dir={job}"], cwd=job.parent, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return job
+
+
+@pytest.mark.parametrize("sync,saved,resumed", [
+    (["sync=zero", "sync.stage=3"], 4, 2),
+    (["sync=zero", "sync.stage=1", "sync.bucket_mb=0.002"], 2, 3),  # units of ~500 elements
+    (["sync=fsdp"], 3, 2),
+    (["sync=zero_torch"], 2, 2),
+], ids=["zero3-4to2", "zero1-2to3", "fsdp-3to2", "zero_torch-2to2"])
+def test_sharded_checkpoint_resumes_at_another_world_size(
+    tmp_path: Path, one_process: Path, sync: list[str], saved: int, resumed: int,
+) -> None:
+    """Saved by ``saved`` ranks after step 3 (each its pieces), resumed by ``resumed`` ranks from
+    there: the run ends at the model of one process that was never interrupted."""
+    first, second = tmp_path / "saved", tmp_path / "resumed"
+    proc = run_cli([*sync, f"world_size={saved}", *RESHARD, "checkpoint.every=4", f"hydra.run.dir={first}"],
+                   cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    step = first / "checkpoints" / "step0000003"
+    assert sorted(p.name for p in step.glob("rank*.pt")) == [f"rank{r}.pt" for r in range(saved)]
+    assert "pieces" in torch.load(step / "rank0.pt", weights_only=False)
+    proc = run_cli([*sync, f"world_size={resumed}", *RESHARD, f"resume={first}", f"hydra.run.dir={second}"],
+                   cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_json(second / "summary.json")
+    assert summary["status"] == "ok" and summary["replicas_identical"]
+    assert relative_error(load_params(second), load_params(one_process)) <= TOL
+    steps = [r["step"] for r in read_jsonl(second / "metrics" / "rank0.jsonl")]
+    assert steps == (list(range(8)) if saved == resumed else list(range(4, 8)))  # earlier steps: same world only

@@ -113,13 +113,20 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         optimizer = build_optimizer(cfg.optim, model.parameters())
         injector = Injector(cfg.imbalance, world.rank, cfg.seed)
-        resumed, earlier, state = 0, [], None
+        resumed, earlier, state, whole = 0, [], None, None
         if cfg.resume:  # parameters and optimizer before the synchronizer shares the model
             done, state = checkpoint.load(Path(cfg.resume), world.rank)
             checkpoint.restore_training(state, model, optimizer)
-            resumed, earlier = done + 1, checkpoint.earlier_records(Path(cfg.resume), world.rank, done)
+            resumed = done + 1
+            # A run resumed at another world size (a sharded checkpoint) records its own steps only.
+            if checkpoint.saved_world_size(Path(cfg.resume)) == world.world_size:
+                earlier = checkpoint.earlier_records(Path(cfg.resume), world.rank, done)
+            whole = checkpoint.load_whole(Path(cfg.resume), model) if spec_of(cfg.sync.name).sharded_checkpoint else None
         buffers = BufferSync(model, "local" if cfg.sync_bn else cfg.buffers, world.world_size)
         sync.setup(model, optimizer, world)
+        if whole is not None:  # this rank's shard of what every rank saved
+            sync.restore(whole)
+            del whole
         if cfg.elastic.enabled:
             membership = Membership(cfg, world, model, optimizer, resumed, joined, sync.membership_changed)
             if sync.replicas_hold_state:
@@ -151,7 +158,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
             fault=FaultInjector(cfg.fault, world.rank, cfg.seed, cfg.steps) if not (restarted() or joined) else None,
             arrivals=arrivals,
             start_step=resumed, buffers=buffers if buffers.flats else None,
-            after_step=_checkpointer(cfg, Path(job_dir), world.rank, model, optimizer, injector, step_log),
+            after_step=_checkpointer(cfg, Path(job_dir), world.rank, model, optimizer, sync, injector, step_log),
             schedule=schedule,
             evaluator=evaluator,
             noise=noise_probe(cfg, model, sizes, world.rank, sync),
@@ -253,19 +260,22 @@ def _evaluator(cfg: Any, spec: Any, world: World, job_dir: Path, train_samples: 
 
 
 def _checkpointer(
-    cfg: Any, job_dir: Path, rank: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, injector: Injector,
-    step_log: StepLog,
+    cfg: Any, job_dir: Path, rank: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sync: Synchronizer,
+    injector: Injector, step_log: StepLog,
 ) -> Callable[[int], None] | None:
     """Saves a checkpoint after every ``checkpoint.every`` steps but the last (the run's end is its
-    result), with the step records up to it flushed: a resumed run takes them over."""
+    result), with the step records up to it flushed: a resumed run takes them over. A synchronizer
+    that shards the model state saves this rank's pieces of it."""
     every, keep, steps = int(cfg.checkpoint.every), int(cfg.checkpoint.keep), int(cfg.steps)
+    sharded = spec_of(cfg.sync.name).sharded_checkpoint
     if not every:
         return None
 
     def after(step: int) -> None:
         if (step + 1) % every == 0 and step + 1 < steps:
             step_log.flush()
-            checkpoint.save(job_dir, step, rank, keep, checkpoint.rank_state(model, optimizer, injector.rng))
+            pieces = sync.pieces() if sharded else None
+            checkpoint.save(job_dir, step, rank, keep, checkpoint.rank_state(model, optimizer, injector.rng, pieces))
 
     return after
 

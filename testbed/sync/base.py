@@ -13,6 +13,7 @@ from torch import nn
 
 from testbed.memory import Sharding, optimizer_tensors
 from testbed.schema import typed
+from testbed.sharded_checkpoint import Pieces, Whole
 from testbed.world import World
 
 
@@ -128,6 +129,15 @@ class Synchronizer(ABC):
         gradients and the optimizer's state. A synchronizer that shards any of them says so here."""
         params = list(self.model.parameters())
         return {"params": params, "grads": [p.grad for p in params], "optimizer": optimizer_tensors(self.optimizer)}
+
+    def pieces(self) -> Pieces:
+        """This rank's part of the model state for a sharded checkpoint (testbed.sharded_checkpoint),
+        for a synchronizer whose SyncSpec says ``sharded_checkpoint``."""
+        raise NotImplementedError(f"{type(self).__name__} saves the model and optimizer whole")
+
+    def restore(self, whole: Whole) -> None:
+        """Take this rank's shard of the model state a sharded checkpoint put together (after setup)."""
+        raise NotImplementedError(f"{type(self).__name__} restores the model and optimizer whole")
 
     def sharding(self) -> Sharding | None:
         """How ``held`` lays the model state out, for ZeRO's formula (testbed.memory): here every

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from testbed.checks import require
 from testbed.costs import ring, ring_allgather
 from testbed.memory import Sharding, optimizer_tensors
 from testbed.optim import follow, like
+from testbed.sharded_checkpoint import Pieces, Whole, optimizer_state
 from testbed.sync.base import Synchronizer, SyncReport
 from testbed.sync.spec import SimModel, SyncBase, SyncSpec
 from testbed.world import World
@@ -132,6 +132,39 @@ class Fsdp(Synchronizer):
         """The final model as a whole copy, for the hashes and model_final.pt."""
         self.model = self._whole()
 
+    # --- sharded checkpoints: each rank's rows of every parameter ---------------------------------
+
+    def _rows(self, p: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """Where this rank's rows of ``p`` start in its flattened whole (FSDP2 chunks the first
+        dimension as torch.chunk does), and its local tensor."""
+        local = p.to_local()
+        per_rank = -(-p.shape[0] // self.world.world_size)
+        return self.world.rank * per_rank * (p.numel() // p.shape[0]), local
+
+    def pieces(self) -> Pieces:
+        out = Pieces()
+        for name, p in self.model.named_parameters():
+            start, local = self._rows(p)
+            if local.numel():
+                out.add(name, start, local.reshape(-1), self.shard_optimizer.state.get(p, {}), 0, local.numel())
+        return out
+
+    def restore(self, whole: Whole) -> None:
+        from torch.distributed.tensor import DTensor
+
+        for name, p in self.model.named_parameters():
+            start, local = self._rows(p)
+            if not local.numel():
+                continue
+            with torch.no_grad():
+                local.reshape(-1).copy_(whole.params[name][start : start + local.numel()])
+            state = optimizer_state(whole, [name], start, start + local.numel(), local)
+            if state:
+                self.shard_optimizer.state[p] = {
+                    key: DTensor.from_local(value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                    if torch.is_tensor(value) and value.dim() > 0 else value
+                    for key, value in state.items()}
+
     def held(self) -> dict[str, list[torch.Tensor | None]]:
         return {"params": list(self.params), "grads": [p.grad for p in self.params],
                 "optimizer": optimizer_tensors(self.shard_optimizer)}
@@ -144,11 +177,6 @@ class Fsdp(Synchronizer):
     def describe(self) -> dict[str, Any]:
         return {"reshard_after_forward": bool(self.cfg.reshard_after_forward), "groups": len(groups(self._skeleton)) + 1,
                 "bytes": "a ring's count of FSDP's padded collectives"}
-
-
-def _check(cfg: Any) -> None:
-    require(not cfg.checkpoint.every and not cfg.resume,
-            "sync=fsdp keeps each rank's shard of the model, which checkpoints do not save yet; drop checkpoint.every and resume")
 
 
 def unshardable(model: nn.Module) -> str | None:
@@ -170,11 +198,12 @@ def _cost(cfg: Any) -> Any:
 
 
 SPEC = SyncSpec(
-    name="fsdp", schema=FsdpSyncConfig, impl=Fsdp, check=_check,
+    name="fsdp", schema=FsdpSyncConfig, impl=Fsdp,
     sim=SimModel(series=lambda cfg: "native", cost=_cost, overlap=lambda cfg: True),
     label=lambda sync: "fsdp" if sync.get("reshard_after_forward", True) else "fsdp-keep",
     no_codec="FSDP's reduce-scatter carries no codec",
     averaged_gradient=lambda cfg: "FSDP keeps only this rank's shard of the averaged gradient",
     inelastic="each rank's shard of the state is not redistributed over a new membership",
     unshardable=unshardable,
+    sharded_checkpoint=True,
 )

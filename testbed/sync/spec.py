@@ -114,6 +114,9 @@ class SyncSpec:
     # testbed.elastic); None: its survivors regroup (a new process group, set up again, and the
     # last commit restored).
     inelastic: str | None = "its state is not rebuilt for a new membership"
+    # Each rank checkpoints its pieces of the model state (Synchronizer.pieces), and a run resumes
+    # from them at any world size; False: every rank saves the model and optimizer whole.
+    sharded_checkpoint: bool = False
     # Why it cannot shard a model (built on the meta device), None when it can; None: it shards nothing.
     unshardable: Callable[[Any], str | None] | None = None
 

@@ -28,6 +28,7 @@ from testbed.collectives.common import Traffic
 from testbed.costs import ring, ring_allgather
 from testbed.memory import Sharding, optimizer_tensors
 from testbed.optim import follow, like
+from testbed.sharded_checkpoint import Pieces, Whole, cut, optimizer_state
 from testbed.sync.base import GradReadiness, Synchronizer, SyncReport
 from testbed.sync.flat import bucket_ends, busy_time
 from testbed.sync.gather import LayerGather, layers
@@ -58,6 +59,7 @@ class Zero(Synchronizer):
         super().setup(model, optimizer, world)
         self.stage = int(self.cfg.stage)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.names = {id(p): name for name, p in model.named_parameters()}  # a tied parameter by its first name
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) != 1:
             raise ValueError(f"sync=zero shards flat buffers of one dtype; the model has {sorted(map(str, dtypes))}")
@@ -245,6 +247,33 @@ class Zero(Synchronizer):
         grads += [self.flat_grads] if self.stage == 1 else [self.shard_grads]
         return {"params": params, "grads": grads, "optimizer": optimizer_tensors(self.shard_optimizer)}
 
+    # --- sharded checkpoints ---------------------------------------------------------------------
+
+    def _names(self, unit: Unit) -> list[str]:
+        return [self.names[id(p)] for p in unit.params]
+
+    def pieces(self) -> Pieces:
+        out = Pieces()
+        for unit in self.units:
+            if unit.shard is not None:
+                state = self.shard_optimizer.state.get(unit.shard, {})
+                cut(out, self._names(unit), unit.offsets, *unit.own, unit.shard.detach(), state)
+        return out
+
+    def restore(self, whole: Whole) -> None:
+        for unit in self.units:
+            names, (lo, hi) = self._names(unit), unit.own
+            flat = whole.flat(names).to(self.world.device)
+            if self.stage < 3:  # every rank holds the parameters whole
+                unit.full.copy_(flat)
+            if unit.shard is None:
+                continue
+            if self.stage == 3:
+                unit.shard.data.copy_(flat[lo:hi])
+            state = optimizer_state(whole, names, lo, hi, unit.shard)
+            if state:
+                self.shard_optimizer.state[unit.shard] = state
+
     def sharding(self) -> Sharding:
         shards = [u.shard_numel for u in self.units]
         return Sharding(self.stage, self._psi(), sum(shards), self.params[0].element_size(), sum(1 for s in shards if s))
@@ -276,9 +305,6 @@ def _check(cfg: Any) -> None:
             f"the gradients, which only an elementwise codec's payload has; use compress={'|'.join(WIRE)}, or compress=none")
     require(codec == "none" or not cfg.compress.error_feedback,
             f"compress={codec} compress.error_feedback=true with sync=zero: its residual is not kept; drop error_feedback")
-    require(not cfg.checkpoint.every and not cfg.resume,
-            "sync=zero keeps each rank's shard of the optimizer state, which checkpoints do not save yet; "
-            "drop checkpoint.every and resume")
 
 
 def unshardable(model: nn.Module) -> str | None:
@@ -304,4 +330,5 @@ SPEC = SyncSpec(
     averaged_gradient=lambda cfg: "ZeRO keeps only this rank's shard of the averaged gradient",
     inelastic="each rank's shard of the state is not redistributed over a new membership",
     unshardable=unshardable,
+    sharded_checkpoint=True,
 )

@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from testbed.checks import require
 from testbed.costs import ring, ring_allgather
 from testbed.memory import Sharding, optimizer_tensors
 from testbed.optim import follow, settings
+from testbed.sharded_checkpoint import Pieces, Whole, optimizer_state
 from testbed.sync.base import Synchronizer, SyncReport, flat_views
 from testbed.sync.spec import SimModel, SyncBase, SyncSpec
 from testbed.world import World
@@ -56,6 +56,23 @@ class TorchZero(Synchronizer):
     def zero_grad(self) -> None:
         self.flat_grads.zero_()
 
+    def pieces(self) -> Pieces:
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        out = Pieces()
+        for p in self._mine():
+            out.add(names[id(p)], 0, p.reshape(-1), self.zero.optim.state.get(p, {}), 0, p.numel())
+        return out
+
+    def restore(self, whole: Whole) -> None:
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.copy_(whole.params[names[id(p)]].view_as(p))
+        for p in self._mine():
+            state = optimizer_state(whole, [names[id(p)]], 0, p.numel(), p)
+            if state:
+                self.zero.optim.state[p] = state
+
     def held(self) -> dict[str, list[torch.Tensor | None]]:
         return {"params": [self.flat_params], "grads": [self.flat_grads], "optimizer": optimizer_tensors(self.zero.optim)}
 
@@ -84,7 +101,5 @@ SPEC = SyncSpec(
     no_codec="torch's ZeroRedundancyOptimizer carries no codec",
     averaged_gradient=lambda cfg: None,
     inelastic="each rank's shard of the optimizer state is not redistributed over a new membership",
-    check=lambda cfg: require(not cfg.checkpoint.every and not cfg.resume,
-                              "sync=zero_torch keeps each rank's shard of the optimizer state, which checkpoints do not "
-                              "save yet; drop checkpoint.every and resume"),
+    sharded_checkpoint=True,
 )
