@@ -95,8 +95,9 @@ def model_state_formula(optim: Any, sync: Any) -> dict[str, int] | None:
 
 
 def peak_memory(device: torch.device) -> dict[str, Any]:
-    """The process's measured memory: its peak resident set, the C allocator's bytes in use now
-    (glibc's mallinfo2, where there is one), and on CUDA the caching allocator's peak."""
+    """The process's measured memory: its peak resident set so far, the C allocator's bytes in use
+    now (glibc's mallinfo2, where there is one; freed blocks it keeps for reuse are not in use but
+    stay resident), and on CUDA the caching allocator's peaks."""
     facts: dict[str, Any] = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     heap = _malloc_in_use()
     if heap is not None:

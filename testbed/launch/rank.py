@@ -175,6 +175,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
         finally:
             step_log.close()  # everything written before the exchange (or the crash report)
             batches.close()
+        measured = peak_memory(world.device)  # training's: before the final model is gathered and evaluated
         if buffers.flats:
             buffers.sync()  # the final model's buffers, whatever the last step was
         sync.finalize()
@@ -182,7 +183,7 @@ def rank_main(plain_cfg: dict[str, Any], job_dir: str, identity: dict[str, Any])
         facts = {"workload": workload_facts(cfg.model, spec, model), "buffers": buffers.describe(),
                  "data": batches.describe(),
                  "memory": {"model_state": trainer.model_state, "formula": model_state_formula(cfg.optim, sync),
-                            "baseline_rss_bytes": baseline_rss, **peak_memory(world.device)}}
+                            "baseline_rss_bytes": baseline_rss, **measured}}
         if evaluator is not None:
             last = records[-1].step if records else -1
             if evaluator.at_end and (not evaluator.rows or evaluator.rows[-1]["step"] != last):
