@@ -8,6 +8,7 @@ one line that names the field, the allowed values and the fix.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -217,10 +218,16 @@ def _validate_model(cfg: DictConfig) -> None:
     except ValueError as exc:
         raise ConfigError(f"{exc}") from None
     unshardable = SYNCHRONIZERS[cfg.sync.name].unshardable
-    if unshardable is not None:
-        with torch.device("meta"):  # shapes only
-            why = unshardable(build_model(cfg.model, spec))
+    if unshardable is not None:  # once per model, synchronizer and data: a sweep's points share them
+        key = json.dumps([cfg.sync.name, OmegaConf.to_container(cfg.model, resolve=True), str(spec)], default=str)
+        if key not in _UNSHARDABLE:
+            with torch.device("meta"):  # shapes only
+                _UNSHARDABLE[key] = unshardable(build_model(cfg.model, spec))
+        why = _UNSHARDABLE[key]
         require(why is None, f"sync={cfg.sync.name} with model={cfg.model.name}: {why}")
+
+
+_UNSHARDABLE: dict[str, str | None] = {}
 
 
 def _validate_compress(cfg: DictConfig) -> None:
