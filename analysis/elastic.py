@@ -13,7 +13,6 @@ one seed, and the downtime of each recovery beside the others.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from analysis.figures import _save  # noqa: E402
-from analysis.stats import point, verdicts  # noqa: E402
+from analysis.stats import cell, point, verdicts  # noqa: E402
 from testbed.results.format import markdown_table  # noqa: E402
 from testbed.results.step_log import read_step_log  # noqa: E402
 
@@ -78,14 +77,6 @@ def table(summaries: list[dict[str, Any]]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _cell(values: list[float], digits: int) -> str:
-    p = point(values)
-    if not p["n"]:
-        return "-"
-    text = f"{p['mean']:.{digits}f}"
-    return text if math.isnan(p["lo"]) else f"{text} ({p['lo']:.{digits}f}-{p['hi']:.{digits}f})"
-
-
 def summary_rows(runs: pd.DataFrame) -> pd.DataFrame:
     """Per synchronizer and recovery: means with their 95 % intervals over the seeds, and which
     recovery reached the target first under each synchronizer (a "tie" where the intervals overlap)."""
@@ -95,10 +86,10 @@ def summary_rows(runs: pd.DataFrame) -> pd.DataFrame:
         reached = verdicts([point(g["time_to_target_s"].dropna().tolist()) for _, g in groups], higher_is_better=False)
         for (recovery, group), verdict in zip(groups, reached):
             rows.append({"sync": sync, "recovery": recovery, "runs": len(group),
-                         "downtime": _cell(group["downtime_s"].dropna().tolist(), 3),
-                         "redone": _cell(group["redone_steps"].dropna().tolist(), 1),
-                         "join": _cell(group["join_s"].dropna().tolist(), 3),
-                         "to_target": _cell(group["time_to_target_s"].dropna().tolist(), 2), "verdict": verdict})
+                         "downtime": cell(group["downtime_s"].dropna().tolist(), 3),
+                         "redone": cell(group["redone_steps"].dropna().tolist(), 1),
+                         "join": cell(group["join_s"].dropna().tolist(), 3),
+                         "to_target": cell(group["time_to_target_s"].dropna().tolist(), 2), "verdict": verdict})
     return pd.DataFrame(rows)
 
 

@@ -23,7 +23,7 @@ import pandas as pd  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from analysis.figures import _save  # noqa: E402
-from analysis.stats import point, verdicts  # noqa: E402
+from analysis.stats import cell, point, verdicts  # noqa: E402
 from testbed.memory import Sharding, state_per_element, zero_formula  # noqa: E402
 from testbed.results.format import markdown_table  # noqa: E402
 
@@ -58,14 +58,6 @@ def table(summaries: list[dict[str, Any]]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _cell(values: list[float], digits: int) -> str:
-    p = point(values)
-    if not p["n"]:
-        return "-"
-    text = f"{p['mean']:.{digits}f}"
-    return text if math.isnan(p["lo"]) else f"{text} ({p['lo']:.{digits}f}-{p['hi']:.{digits}f})"
-
-
 def summary_rows(runs: pd.DataFrame) -> pd.DataFrame:
     """Per model, world size and synchronizer: the model state (counted, by the formula, and as a
     fraction of ddp's), the measured peak and throughput with their intervals, throughput as a
@@ -84,8 +76,8 @@ def summary_rows(runs: pd.DataFrame) -> pd.DataFrame:
                 "model": model, "n": n, "sync": sync, "runs": len(group), "state": f"{state:.1f}",
                 "formula": f"{formula.mean():.1f}" if not formula.empty else "-",
                 "state_vs": f"{state / ref_state:.2f}" if ref_state == ref_state else "-",
-                "peak": _cell(group["peak_mb"].dropna().tolist(), 0),
-                "throughput": _cell(group["throughput"].tolist(), 0),
+                "peak": cell(group["peak_mb"].dropna().tolist(), 0),
+                "throughput": cell(group["throughput"].tolist(), 0),
                 "speed_vs": f"{speed / ref_speed:.2f}" if ref_speed == ref_speed else "-",
                 "verdict": verdict,
             })

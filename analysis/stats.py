@@ -35,6 +35,15 @@ def point(values: Sequence[float]) -> dict[str, float]:
             "mean": statistics.fmean(finite) if finite else math.nan, "lo": lo, "hi": hi, "n": len(finite)}
 
 
+def cell(values: Sequence[float], digits: int) -> str:
+    """The mean of ``values`` with its 95 % interval, for a table: "1.23 (1.10-1.36)"; "-" for none."""
+    p = point(values)
+    if not p["n"]:
+        return "-"
+    text = f"{p['mean']:.{digits}f}"
+    return text if math.isnan(p["lo"]) else f"{text} ({p['lo']:.{digits}f}-{p['hi']:.{digits}f})"
+
+
 def verdicts(points: list[dict[str, float]], higher_is_better: bool) -> list[str]:
     """For points measured under one setting: "best" for the best median, "tie" for each whose
     interval overlaps the best's (or either has none: nothing tells them apart), "" otherwise."""
