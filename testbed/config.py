@@ -30,6 +30,7 @@ from testbed.eval.schedule import check_schedule
 from testbed.faults import FAULTS
 from testbed.help import app_help
 from testbed.imbalance import IMBALANCES
+from testbed.launch.virtual.config import ClusterConfig, VirtualLauncherConfig, check_virtual
 from testbed.models import MODELS, build_model, check_fits, check_model, model_kind
 from testbed.models.call import model_call
 from testbed.network import NETWORKS
@@ -112,6 +113,8 @@ class Config:
     tune: TuneConfig = field(default_factory=TuneConfig)
     stats: StatsConfig = field(default_factory=StatsConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    # launcher=virtual's machines (testbed.launch.virtual): its launcher config brings the group in.
+    cluster: Any = None
 
 
 # Groups whose options declare their schema and checks in their own modules (testbed.checks.Option).
@@ -124,7 +127,7 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "model": {name: kind.schema for name, kind in MODELS.items()},
     "data": {name: kind.schema for name, kind in DATA_KINDS.items()},
     "optim": OPTIM_SCHEMAS,
-    "launcher": {"local": LocalLauncherConfig},
+    "launcher": {"local": LocalLauncherConfig, "virtual": VirtualLauncherConfig},
     **{group: {name: option.schema for name, option in opts.items()} for group, opts in OPTION_GROUPS.items()},
 }
 
@@ -136,6 +139,7 @@ def register_schemas() -> None:
     """
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
+    cs.store(group="schema/cluster", name="cluster", node=ClusterConfig)  # one schema, every cluster=
     for group, options in GROUP_SCHEMAS.items():
         for name, schema in options.items():
             cs.store(group=f"schema/{group}", name=name, node=schema)
@@ -200,6 +204,14 @@ def validate(cfg: DictConfig, local_world_size: int | None = None, simulated: bo
             f"launcher.max_restarts={restarts}: must be an integer >= 0 (0: a failed run stays failed)")
     check_checkpoints(cfg, to_plain(cfg), SYNCHRONIZERS[cfg.sync.name].sharded_checkpoint)
     check_elastic(cfg)
+    if cfg.launcher.name == "virtual":
+        check_virtual(cfg)
+        local = 1  # every worker is computed in this one process
+    else:
+        cluster = cfg.get("cluster")
+        if cluster is not None:
+            raise ConfigError(f"cluster={cluster.name} describes the machines of a virtual run; add launcher=virtual "
+                              "(or drop the cluster)")
 
     check_devices(cfg, local)
 

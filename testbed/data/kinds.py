@@ -53,6 +53,9 @@ class DataKind:
     loader: bool = False  # read through a DataLoader: the input pipeline's settings (data.num_workers, ...) apply
     # A rank's share of the global batch may change during the run (balance=static|dynamic).
     resizable: bool = False
+    # Its batches are RankBatches over two tensors, which one process can slice for many workers
+    # (launcher=virtual, testbed.launch.virtual).
+    in_memory: bool = False
     check: Callable[[Any], None] = lambda cfg: None
     # Training samples, known before anything loads (warmup_epochs, eval at an epoch); None: unknown.
     train_size: Callable[[Any], int | None] = lambda cfg: None
@@ -151,16 +154,16 @@ def _lm_spec(cfg: Any) -> DataSpec:
 DATA_KINDS: dict[str, DataKind] = {
     "synthetic": DataKind(
         DataConfig, "classification", lambda cfg: DataSpec("classification", tuple(cfg.shape), num_classes=cfg.num_classes),
-        _in_memory_batches, _in_memory_heldout, check=_check_counts, train_size=lambda cfg: int(cfg.num_samples),
+        _in_memory_batches, _in_memory_heldout, in_memory=True, check=_check_counts, train_size=lambda cfg: int(cfg.num_samples),
         resizable=True),
     "digits": DataKind(
         DataConfig, "classification", lambda cfg: DataSpec("classification", (1, 8, 8), num_classes=10),
-        _in_memory_batches, _in_memory_heldout, train_size=lambda cfg: len(tensors(cfg, 0)[0]), resizable=True),
+        _in_memory_batches, _in_memory_heldout, in_memory=True, train_size=lambda cfg: len(tensors(cfg, 0)[0]), resizable=True),
     "mnist1d": DataKind(
         Mnist1dDataConfig, "classification", lambda cfg: DataSpec("classification", (1, 40), num_classes=10),
-        _in_memory_batches, _in_memory_heldout, check=_check_mnist1d,
+        _in_memory_batches, _in_memory_heldout, in_memory=True, check=_check_mnist1d,
         train_size=lambda cfg: int(cfg.num_samples) // 10 * 10 * 4 // 5, resizable=True),
-    "lm": DataKind(LmDataConfig, "lm", _lm_spec, _in_memory_batches, _in_memory_heldout, check=_check_counts,
+    "lm": DataKind(LmDataConfig, "lm", _lm_spec, _in_memory_batches, _in_memory_heldout, in_memory=True, check=_check_counts,
                    train_size=lambda cfg: int(cfg.num_samples), resizable=True),
     "synthetic_images": DataKind(
         SyntheticImagesDataConfig, "classification",

@@ -82,8 +82,10 @@ class Evaluator:
         return self.every > 0 and (step + 1) % self.every == 0
 
     @torch.no_grad()
-    def evaluate(self, sync: Any, step: int, elapsed_s: float) -> dict[str, Any]:
-        """Evaluate the run's model after ``step`` (0-based), ``elapsed_s`` into the run; the row."""
+    def evaluate(self, sync: Any, step: int, elapsed_s: float, charged_s: float | None = None) -> dict[str, Any]:
+        """Evaluate the run's model after ``step`` (0-based), ``elapsed_s`` into the run; the row.
+        ``charged_s``: the evaluation's time on a simulated clock (testbed.launch.virtual), in place
+        of the time it takes here."""
         began = time.perf_counter()
         device = self.world.device
         sums = torch.zeros(len(SUMS), dtype=torch.float64)
@@ -104,7 +106,7 @@ class Evaluator:
             sums = sums.to(device)
             dist.all_reduce(sums)
             sums = sums.cpu()
-        t_eval = time.perf_counter() - began
+        t_eval = time.perf_counter() - began if charged_s is None else charged_s
         self.t_eval += t_eval
         done = step + 1
         row = {

@@ -77,6 +77,8 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
             raise  # torchrun/Slurm see the rank fail and stop the others
         if summary is None:
             return None
+    elif cfg.launcher.name == "virtual":
+        summary = _virtual(cfg, plain, job_dir)
     else:
         summary = _spawn(cfg, plain, job_dir, identity)
     summary = _with_overrides(job_dir, summary, hydra_cfg)
@@ -119,6 +121,19 @@ def _spawn(cfg: DictConfig, plain: dict[str, Any], job_dir: Path, identity: dict
         summary["restarts"], summary["attempts"] = len(failures), failures
         write_summary(job_dir, summary)
     return summary
+
+
+def _virtual(cfg: DictConfig, plain: dict[str, Any], job_dir: Path) -> dict[str, Any]:
+    """The job's workers on a simulated clock, in this process (testbed.launch.virtual)."""
+    from testbed.launch.virtual.run import run_virtual
+
+    log.info("virtual cluster %s: %d worker(s), sync=%s model=%s data=%s -> %s", cfg.cluster.name, cfg.world_size,
+             cfg.sync.name, cfg.model.name, cfg.data.name, job_dir)
+    try:
+        return run_virtual(cfg, plain, job_dir)
+    except Exception as exc:  # the failure is the run's result; the sweep goes on
+        log.exception("virtual run failed")
+        return _record_failure(job_dir, plain, _launcher_cause(f"{type(exc).__name__}: {exc}", "virtual"))
 
 
 def _restart_point(job_dir: Path, plain: dict[str, Any]) -> Path | None:
@@ -305,6 +320,8 @@ def _check_joined(cfg: DictConfig, joined: tuple[int, int, int, int], hydra_cfg:
         raise config.ConfigError(
             f"world_size={cfg.world_size} but the surrounding torchrun/Slurm world has {world_size} ranks; {fix}"
         )
+    if cfg.launcher.name == "virtual":
+        raise config.ConfigError("launcher=virtual computes every worker in one process; run it without torchrun/Slurm")
     if cfg.elastic.enabled:
         raise config.ConfigError(
             "elastic.enabled inside torchrun/Slurm: the testbed's elastic launcher forks and watches the ranks "

@@ -220,7 +220,9 @@ class Sync(Policy):
         shard = self.shard
         while True:
             with shard.cond:
-                shard.cond.wait_for(self.update_due)
+                shard.cond.wait_for(lambda: self.update_due() or bool(shard.refusal))
+                if shard.refusal:  # stopping, or a failed update: nothing more to apply
+                    return
                 step, chosen = shard.version - 1, self.chosen  # the step the chosen workers pushed
                 local_sq = self.chosen_sq
             # stats.noise_scale: every push carried its worker's own norm, so the update measures its own

@@ -397,6 +397,40 @@ class Shard:
         already encoded (testbed.ps.wire); testbed.bench.wire overrides it to compare codecs."""
         return encoded_chunks(source, self.shard, 0, version, self.chunk_bytes, byte_view(source))
 
+    # --- calls from this process (a virtual cluster: testbed.launch.virtual) -----------------------
+
+    def push_local(self, worker: int, base: int, gradient: torch.Tensor) -> int:
+        """``worker``'s gradient of this shard's range, computed on version ``base``, pushed from
+        this process: checked and committed as a received push is, by the mode's policy; its
+        staleness. The shard reads ``gradient`` until the update is applied, so it is the caller's
+        to give away."""
+        with self.cond:
+            self._require_params()
+            check_worker(worker, self.workers)
+            self._check_member(worker, self.epoch, "push")
+            self.policy.check_push(worker, Chunk(worker=worker, shard=self.shard, step=base))
+            if base > self.version:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"push based on version {base} > {self.version}")
+            self.cond.wait_for(self.settled)
+            self.check_updating()
+        return self._commit(worker, base, [gradient[lo:hi] for lo, hi in self.parts], self.epoch).staleness
+
+    def pull_local(self, worker: int, clock: int) -> tuple[torch.Tensor, int]:
+        """A copy of the parameters ``worker``'s pull at ``clock`` (its pushes) streams, and their
+        version. A pull the mode holds back is refused rather than waited for: in one process
+        nobody else could release it."""
+        with self.cond:
+            self._require_params()
+            check_worker(worker, self.workers)
+            self.policy.check_pull(worker, clock)
+            if not self.policy.may_pull(worker, clock):
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"Pull: worker {worker} at clock {clock} is held back by its mode; clocks {self.clocks}")
+            self.cond.wait_for(self.settled)
+            self.check_updating()
+            self.stats["pulls"] += 1
+            return self.policy.pull_source(worker).clone(), self.policy.pull_version(clock)
+
     # --- membership ------------------------------------------------------------------------------
 
     def leave(self, request: pb.LeaveRequest) -> pb.ShardInfo:

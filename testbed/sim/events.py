@@ -153,6 +153,10 @@ class PsTrace:
     end: np.ndarray  # the pull is done: the step ends
     dropped: np.ndarray  # backup workers: computed, but too late for the step's update (no push)
     sat_out: np.ndarray  # backup workers: not computed, the step's update made without the worker
+    # (PUSH or PULL, worker, step) in the order the server saw them: a push landing, a pull released
+    # (its parameters are the server's at that moment). Ties in time keep the simulation's order,
+    # which a sort by time would lose; a virtual cluster replays the math in it (testbed.launch.virtual).
+    order: list[tuple[int, int, int]]
 
     @property
     def wait_s(self) -> np.ndarray:
@@ -226,6 +230,7 @@ class _FairLink:
 
 
 _COMPUTED, _PUSHED, _PULLED, _LINK, _ENTER = range(5)
+PUSH, PULL = 0, 1  # PsTrace.order's kinds
 
 
 def simulate_ps(
@@ -271,6 +276,7 @@ def simulate_ps(
     bound = staleness_bound(mode, staleness)
 
     events: list[tuple[float, int, int, int, int]] = []  # (time, seq, kind, worker or link, link version)
+    order: list[tuple[int, int, int]] = []
     seq = 0
 
     def at(time: float, kind: int, who: int, version: int = 0) -> None:
@@ -312,6 +318,7 @@ def simulate_ps(
 
     def pull(now: float, worker: int) -> None:
         released[step[worker], worker] = now
+        order.append((PULL, worker, step[worker]))
         pulling[worker] = version  # the shard streams its newest parameters
         transfer(now, 1, worker, pull_s)
 
@@ -365,6 +372,7 @@ def simulate_ps(
         elif kind == _PUSHED and backup:  # the step's update is made with its first n - b pushes
             s = step[who]
             pushed[s, who] = now
+            order.append((PUSH, who, s))
             landed[s] += 1
             if landed[s] == needed:
                 version = s + 1
@@ -373,6 +381,7 @@ def simulate_ps(
             pull_at(now, who, s + 1)
         elif kind == _PUSHED:  # the server has applied (or staged) the push; the worker wants to pull
             pushed[step[who], who] = now
+            order.append((PUSH, who, step[who]))
             at_clock[clocks[who]] -= 1
             clocks[who] += 1
             at_clock[clocks[who]] = at_clock.get(clocks[who], 0) + 1
@@ -386,4 +395,4 @@ def simulate_ps(
             held[who] = pulling[who]
             step[who] += 1
             begin(now, who)
-    return PsTrace(mode, staleness, start, pushed, released, end, dropped, sat_out)
+    return PsTrace(mode, staleness, start, pushed, released, end, dropped, sat_out, order)

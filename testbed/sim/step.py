@@ -48,7 +48,7 @@ from testbed.paths import in_checkout
 from testbed.results.summary import summarize
 from testbed.sim import calibrate, codecs
 from testbed.sim.codecs import CodecPlan, Compressed
-from testbed.sim.events import Delays, simulate_ps
+from testbed.sim.events import Delays, PsTrace, simulate_ps
 from testbed.step_record import StepRecord
 from testbed.sync import run_label, spec_of
 from testbed.sync.flat import bucket_ends
@@ -336,24 +336,29 @@ class _Sync:
     decode: np.ndarray | None = None
     dropped: np.ndarray | None = None  # backup workers: computed too late for the step's update
     sat_out: np.ndarray | None = None  # backup workers: not computed, the update made without the rank
+    trace: PsTrace | None = None  # the parameter server's simulation
 
 
 @dataclass
 class Prediction:
     records: list[list[StepRecord]]  # per rank, per step
     facts: dict[str, Any]  # what the prediction assumed
+    trace: PsTrace | None = None  # a parameter server's worker clocks and the order of its events
 
 
-def predict(cfg: Any) -> Prediction:
+def predict(cfg: Any, compute: Compute | None = None, pace: np.ndarray | None = None) -> Prediction:
+    """``compute``: the per-sample times (default: the sim group's); ``pace``: a factor on each
+    rank's (columns) compute at each step (rows), a virtual cluster's draws (testbed.launch.virtual)."""
     n, steps, sync = int(cfg.world_size), int(cfg.steps), cfg.sync
     accumulate = int(sync.get("accumulate", 1))
-    compute = Compute.from_sim(cfg.sim)
+    compute = compute or Compute.from_sim(cfg.sim)
     threads = max(1, int(cfg.threads_per_rank))
     slowdown = max(1.0, n * threads / cfg.sim.cores) if cfg.sim.cores else 1.0
     per_sample = [slowdown * x for x in (compute.data_s, compute.forward_s, compute.backward_s)]
     optimizer_s = slowdown * compute.optimizer_s
     sizes, delays = batches(cfg, sum(per_sample), optimizer_s, accumulate)
-    work = accumulate * sizes * sum(per_sample) + optimizer_s + delays  # [steps, n]
+    pace = np.ones((steps, n)) if pace is None else pace
+    work = pace * (accumulate * sizes * sum(per_sample) + optimizer_s) + delays  # [steps, n]
 
     tensors = gradient_tensors(cfg)
     gradient_bytes = sum(tensors)
@@ -363,7 +368,7 @@ def predict(cfg: Any) -> Prediction:
     facts: dict[str, Any] = {"gradient_bytes": gradient_bytes, "compute": asdict(compute), "slowdown": slowdown}
     if costing is None:  # nobody to talk to: every rank keeps its own pace
         alone = _Sync(np.zeros_like(work), np.zeros_like(work))
-        return Prediction(_records(sizes, per_sample, optimizer_s, accumulate, delays, alone), facts)
+        return Prediction(_records(sizes, per_sample, optimizer_s, accumulate, delays, alone, pace), facts)
     link, facts["link"] = link_for(cfg, costing.series(cfg))
     facts["impl"] = costing.series(cfg)
     cost = costing.cost(cfg)
@@ -411,7 +416,8 @@ def predict(cfg: Any) -> Prediction:
             timing.decode = per_step * sum(p.decode_s * (1 if p.linear else n) for p in plan.parts)
     if plan is not None:
         facts["compress"] = plan.facts
-    return Prediction(_records(sizes, per_sample, optimizer_s, accumulate, delays, timing), facts)
+    records = _records(sizes, per_sample, optimizer_s, accumulate, delays, timing, pace)
+    return Prediction(records, facts, timing.trace)
 
 
 def _plan(cfg: Any, groups: list[list[torch.Size]]) -> CodecPlan | None:
@@ -464,15 +470,17 @@ def _parameter_server(
                         staleness=int(cfg.sync.staleness), latency_s=link.alpha, backup=backup)
     wait, computed = trace.wait_s, np.where(trace.sat_out, 0.0, work)
     comm = trace.step_s - computed - wait + (encode if encode is not None else 0.0)
-    return _Sync(wait, comm, encode, decode, *((trace.dropped, trace.sat_out) if backup else ()))
+    return _Sync(wait, comm, encode, decode, *((trace.dropped, trace.sat_out) if backup else (None, None)), trace=trace)
 
 
 def _records(
     sizes: np.ndarray, per_sample: list[float], optimizer_s: float, accumulate: int, delays: np.ndarray, timing: _Sync,
+    pace: np.ndarray,
 ) -> list[list[StepRecord]]:
     """The trainer's step records, with what only a run knows left None (testbed.step_record); a
     codec's encode and decode (busy, as a run's) are inside the sync time. With backup workers a
-    dropped gradient's samples count 0, and a step sat out has no compute, as in a run."""
+    dropped gradient's samples count 0, and a step sat out has no compute, as in a run. ``pace``
+    scales each rank's compute at each step."""
     data_s, forward_s, backward_s = per_sample
     steps, n = delays.shape
     dropped = timing.dropped if timing.dropped is not None else np.zeros((steps, n), dtype=bool)
@@ -482,8 +490,9 @@ def _records(
         rows = []
         for t in range(steps):
             micro = 0 if sat_out[t, rank] else accumulate * int(sizes[t, rank])
-            phases = {"t_data": micro * data_s, "t_forward": micro * forward_s, "t_backward": micro * backward_s,
-                      "t_optimizer": 0.0 if sat_out[t, rank] else optimizer_s}
+            f = float(pace[t, rank])
+            phases = {"t_data": f * micro * data_s, "t_forward": f * micro * forward_s,
+                      "t_backward": f * micro * backward_s, "t_optimizer": 0.0 if sat_out[t, rank] else f * optimizer_s}
             injected = 0.0 if sat_out[t, rank] else float(delays[t, rank])
             sync_s = float(timing.wait[t, rank] + timing.comm[t, rank])
             rows.append(StepRecord(
