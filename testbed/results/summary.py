@@ -28,7 +28,8 @@ UNHASHED, UNHASHED_SYNC = ("sweep_resume", "resume", "tune"), ("addresses",)
 
 def config_hash(cfg: dict[str, Any]) -> str:
     """The experiment a config describes: equal for a rerun of it, whatever its servers' ports."""
-    what = {k: v for k, v in cfg.items() if k not in UNHASHED}
+    # A run without a virtual cluster hashes as it did before the cluster group existed.
+    what = {k: v for k, v in cfg.items() if k not in UNHASHED and not (k == "cluster" and v is None)}
     if isinstance(what.get("sync"), dict):
         what["sync"] = {k: v for k, v in what["sync"].items() if k not in UNHASHED_SYNC}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]

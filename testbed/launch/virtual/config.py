@@ -59,7 +59,8 @@ class VirtualLauncherConfig:
 
 def check_virtual(cfg: Any) -> None:
     """What a virtual run cannot compute, refused before anything runs."""
-    require(cfg.get("cluster") is not None, "launcher=virtual needs a cluster description: cluster=here|cpu|gpu")
+    require(cfg.get("cluster") is not None, "launcher=virtual needs a cluster: cluster=here (this machine's compute, "
+                                            "10 Gbit links), cluster=cpu (1 Gbit) or cluster=gpu (H200s, 100 Gbit)")
     name = cfg.sync.name
     require(name in FAMILIES, f"launcher=virtual runs sync={'|'.join(FAMILIES)}, not sync={name}; run it with "
                               "launcher=local, or predict its step times with python -m testbed.sim")
