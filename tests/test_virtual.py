@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import REPO, load_params, read_json, read_jsonl, run_cli
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -23,8 +24,6 @@ from testbed.launch.virtual.run import clock_config, run_virtual
 from testbed.paths import config_dir
 from testbed.sim.step import Compute, predict
 from testbed.sync import SYNCHRONIZERS
-
-from conftest import REPO, load_params, read_json, read_jsonl, run_cli
 
 COMMON = ["data=mnist1d", "model=mlp", "steps=12", "warmup_steps=2", "eval.at_end=false", "data.batch_size=16"]
 # The clock's compute: given, so that a run does not time this machine (the clock is then deterministic).

@@ -126,6 +126,7 @@ def summarize(
         "error": error,
         "sync": cfg["sync"]["name"],
         "sync_label": label or cfg["sync"]["name"],
+        "clock": "wall",  # a virtual cluster's runs are on a simulated one (testbed.launch.virtual)
         "world_size": world_size,
         "steps": len(common),
         "steps_configured": int(cfg["steps"]),
