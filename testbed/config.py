@@ -19,6 +19,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from testbed.balance import BALANCES
 from testbed.checkpoint import CheckpointConfig, check_checkpoints
 from testbed.checks import Backend, ConfigError, Device, Precision, check_devices, enum_value, require, resolved_device
+from testbed.cluster import ClusterConfig, VirtualLauncherConfig, check_virtual
 from testbed.compress import CODECS
 from testbed.data import spec_for
 from testbed.data.kinds import DATA_KINDS, check_data, data_kind, heldout_of
@@ -30,7 +31,6 @@ from testbed.eval.schedule import check_schedule
 from testbed.faults import FAULTS
 from testbed.help import app_help
 from testbed.imbalance import IMBALANCES
-from testbed.launch.virtual.config import ClusterConfig, VirtualLauncherConfig, check_virtual
 from testbed.models import MODELS, build_model, check_fits, check_model, model_kind
 from testbed.models.call import model_call
 from testbed.network import NETWORKS
@@ -113,7 +113,7 @@ class Config:
     tune: TuneConfig = field(default_factory=TuneConfig)
     stats: StatsConfig = field(default_factory=StatsConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
-    # launcher=virtual's machines (testbed.launch.virtual): its launcher config brings the group in.
+    # launcher=virtual's machines (testbed.launch.virtual): cluster=here|cpu|gpu; null for every other run.
     cluster: Any = None
 
 

@@ -18,8 +18,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from testbed import config
+from testbed.cluster import FAMILIES
 from testbed.launch.virtual.cluster import pace
-from testbed.launch.virtual.config import FAMILIES
 from testbed.launch.virtual.run import clock_config, run_virtual
 from testbed.paths import config_dir
 from testbed.sim.step import Compute, predict

@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from testbed import batch
+from testbed.cluster import family_of
 from testbed.data import RankBatches, build_data, build_heldout, data_kind, heldout_of
 from testbed.eval.config import evaluates
 from testbed.eval.evaluate import Evaluator
@@ -35,7 +36,6 @@ from testbed.eval.schedule import schedule_of
 from testbed.imbalance import loss_weight, shard_batches
 from testbed.launch.rank import buffer_hash, param_hash
 from testbed.launch.virtual.cluster import compute_of, pace
-from testbed.launch.virtual.config import family_of
 from testbed.launch.virtual.families import FAMILY_CLASSES, Outcome, Work
 from testbed.launch.virtual.gradients import Gradients
 from testbed.memory import rss_now_peak

@@ -13,10 +13,10 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from testbed.checks import ConfigError, enum_value, require, resolved_device
+from testbed.checks import enum_value, require, resolved_device
 from testbed.data import data_kind, spec_for
 from testbed.models import build_model
-from testbed.netem import parse_rate
+from testbed.network import check_rate
 
 DISTRIBUTIONS = ("constant", "lognormal", "exponential", "pareto")
 # The synchronizers a virtual run computes, by the family whose math it replays (testbed.launch.virtual.modes).
@@ -120,10 +120,7 @@ def check_cluster(cfg: Any) -> None:
     require(cluster.alpha_us >= 0, f"cluster.alpha_us={cluster.alpha_us}: a latency, must be >= 0")
     eval_ms = cluster.get("eval_ms_per_sample")
     require(eval_ms is None or eval_ms >= 0, f"cluster.eval_ms_per_sample={eval_ms}: a time, must be >= 0 (or null)")
-    try:
-        parse_rate(str(cluster.bandwidth))
-    except ValueError as exc:
-        raise ConfigError(f"cluster.bandwidth={cluster.bandwidth}: {exc}") from None
+    check_rate("cluster.bandwidth", str(cluster.bandwidth))
 
 
 def family_of(cfg: Any) -> str:
