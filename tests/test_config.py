@@ -46,6 +46,7 @@ def test_every_option_composes_and_validates(group: str, option: str, tmp_path: 
         "fault=kill_rank": ["world_size=2"], "fault=kill_ps": ["sync=ps"],
         "fault=link_down": ["world_size=2", "network=emulated"],
         "fault=link_slow": ["world_size=2", "network=emulated"],
+        "launcher=virtual": ["cluster=here"],
     }.get(f"{group}={option}", [])
     cfg = composed([f"{group}={option}", *extra])
     # A variant (ps_async) is its schema's option (ps) with other defaults, named <option>_<what>.
