@@ -7,6 +7,7 @@ A cluster describes each worker's compute (testbed.launch.virtual.cluster draws 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,6 +56,9 @@ class VirtualLauncherConfig:
     # Workers whose gradients are due together are computed in one vectorized call (torch.func.vmap)
     # of at most this many; 1: one at a time, as separate processes would.
     vmap_workers: int = 64
+    # A real run's job directory (sync=ps, async or ssp, one shard, this config): its order of pushes
+    # and pulls, read from its step logs, in place of the clock's (testbed.launch.virtual.replay).
+    replay: str | None = None
 
 
 def check_virtual(cfg: Any) -> None:
@@ -94,6 +98,16 @@ def check_virtual(cfg: Any) -> None:
             f"launcher=virtual with model={cfg.model.name}: its {'dropout' if random else 'buffers (BatchNorm)'} would "
             "need each worker's own random stream or statistics, which a virtual worker does not keep yet; use a model "
             "without them (model=mlp|cnn1d, or the transformers with dropout 0) or launcher=local")
+    replay = cfg.launcher.get("replay")
+    if replay is not None:
+        sync = cfg.sync
+        require(name == "ps" and sync.mode in ("async", "ssp") and int(sync.servers) == 1 and not sync.backup_workers,
+                f"launcher.replay={replay}: a real run's order is replayed for sync=ps sync.mode=async|ssp with one "
+                "shard (sync.servers=1) and no backup workers")
+        logs = [Path(replay) / "metrics" / f"rank{w}.jsonl" for w in range(int(cfg.world_size))]
+        missing = [str(log) for log in logs if not log.is_file()]
+        require(not missing, f"launcher.replay={replay}: no step log {missing[0] if missing else ''}; name the job "
+                             f"directory of a real run of world_size={cfg.world_size}")
     workers = int(cfg.launcher.vmap_workers)
     require(workers >= 1, f"launcher.vmap_workers={workers}: must be >= 1 (1: one worker at a time)")
     check_cluster(cfg)

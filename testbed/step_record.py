@@ -38,6 +38,9 @@ class StepRecord:
     lr: float | None
     # Only some synchronizers report these: the line has them only when they are set.
     staleness: int | None = None
+    # Parameter servers: the version (shard 0's) this step's gradient was computed on. With one
+    # shard, version + staleness orders the run's pushes, which a virtual run replays.
+    version: int | None = None
     residual_norm: float | None = None
     # Backup workers: 1 when this rank's gradient came too late and its update left it out (its
     # ``samples`` are then 0). A step the rank sat out, its update made before the rank could
@@ -74,5 +77,5 @@ class StepRecord:
 
 
 ALL_FIELDS = tuple(f.name for f in fields(StepRecord))
-OPTIONAL_FIELDS = ("staleness", "residual_norm", "dropped", "grad_sq_small", "grad_sq_big", "noise_scale")
+OPTIONAL_FIELDS = ("staleness", "version", "residual_norm", "dropped", "grad_sq_small", "grad_sq_big", "noise_scale")
 FIELDS = tuple(name for name in ALL_FIELDS if name not in OPTIONAL_FIELDS)  # in every line, in this order

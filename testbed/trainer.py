@@ -157,6 +157,7 @@ class Trainer:
                     t_sync_exit=times.sync_exit,
                     lr=lr,
                     staleness=report.staleness,
+                    version=report.version,
                     residual_norm=report.residual_norm,
                     dropped=None if report.dropped is None else int(report.dropped),
                     grad_sq_small=None if noise is None else noise[0],

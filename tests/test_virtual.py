@@ -87,6 +87,22 @@ def test_virtual_matches_the_real_synchronizer(real: dict[str, Path], tmp_path: 
     assert np.allclose([r["loss"] for r in replayed], [r["loss"] for r in measured], rtol=1e-5)
 
 
+def test_replaying_a_real_async_run_reproduces_its_model(tmp_path: Path) -> None:
+    """The real run's step logs give its shard's order (version + staleness); replayed, the virtual
+    run computes the same model and the same staleness histogram."""
+    real = tmp_path / "real"
+    done = run_cli([*COMMON, "steps=20", "sync=ps", "sync.mode=async", "world_size=3", f"hydra.run.dir={real}"], REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = virtual(tmp_path / "replay", ["steps=20", "sync=ps", "sync.mode=async", "world_size=3",
+                                            f"launcher.replay={real}"])
+    assert summary["cluster"]["order"] == f"replayed from {real}"
+    assert rel_err(load_params(real), load_params(tmp_path / "replay")) <= TOL
+    assert summary["staleness_histogram"] == read_json(real / "summary.json")["staleness_histogram"]
+    with pytest.raises(config.ConfigError, match="one shard"):
+        config.validate(cfg_of([*COMMON, *FIXED, "sync=ps", "sync.mode=async", "sync.servers=2", "world_size=3",
+                                f"launcher.replay={real}"]))
+
+
 def test_same_seed_same_virtual_run_bitwise(tmp_path: Path) -> None:
     args = ["sync=ps", "sync.mode=ssp", "sync.staleness=1", "world_size=5", "cluster.compute.distribution=lognormal",
             "eval.every=4"]

@@ -24,6 +24,7 @@ class SyncReport:
     bytes_sent: int = 0
     bytes_recv: int = 0
     staleness: int | None = None  # parameter servers: versions between pull and apply
+    version: int | None = None  # parameter servers: the version (shard 0's) the pushed gradient was computed on
     # Time blocked on slower ranks, when the synchronizer measures it itself (parameter servers);
     # None: derived from all ranks' arrival times after the run (testbed.timing).
     t_wait: float | None = None

@@ -271,6 +271,7 @@ class ParameterServerSync(Synchronizer):
         return self._push_pull(backup=False)
 
     def _push_pull(self, backup: bool) -> SyncReport:
+        base = self.versions[0]  # the version this worker's gradient was computed on (its push's base)
         if self.overlap:
             for i in range(len(self.grad_shards)):  # shards whose parameters backward did not reach
                 if i not in self._launched:
@@ -293,6 +294,7 @@ class ParameterServerSync(Synchronizer):
             )
         report.bytes_sent = self.bytes_per_step  # payload bytes; gRPC and protobuf framing add ~0.01 %
         report.staleness = max(r.staleness for r in replies)
+        report.version = base
         if self.codecs is not None:  # the shards decode; their time is the server's
             report.bytes_sent = sum(c.payload_bytes() for c in self.codecs)
             if self.decoders is not None:

@@ -32,7 +32,7 @@ from testbed.data import BatchSource
 from testbed.eval.schedule import LrSchedule, with_schedule
 from testbed.launch.virtual.gradients import Gradients
 from testbed.optim import build_optimizer
-from testbed.sim.events import PUSH, PsTrace
+from testbed.sim.events import PUSH
 from testbed.sync.base import flat_views
 from testbed.sync.local_sgd import averages_at
 
@@ -87,9 +87,11 @@ def _mean(rows: torch.Tensor) -> torch.Tensor:
 
 class Family(ABC):
     def __init__(self, cfg: Any, plain: dict[str, Any], work: Work, model: nn.Module, outcome: Outcome,
-                 trace: PsTrace | None) -> None:
+                 order: list[tuple[int, int, int]] | None) -> None:
+        """``order``: a parameter server's pushes and pulls (testbed.sim.events.PsTrace.order, or a
+        real run's, testbed.launch.virtual.replay)."""
         self.cfg, self.plain, self.work, self.model = cfg, plain, work, model
-        self.outcome, self.trace = outcome, trace
+        self.outcome, self.order = outcome, order
         self.n, self.steps = int(cfg.world_size), int(cfg.steps)
 
     @abstractmethod
@@ -144,7 +146,6 @@ class ParameterServer(Family):
         from testbed.data import data_kind  # the shards' optimizer follows the run's schedule
         from testbed.ps.shard import Shard
 
-        assert self.trace is not None
         sync, n = self.cfg.sync, self.n
         initial = self.work.gradients.initial()
         self.bounds = chunk_bounds(initial.numel(), int(sync.servers))
@@ -162,8 +163,8 @@ class ParameterServer(Family):
                 shard.close()
 
     def _replay(self, done: Done, initial: torch.Tensor) -> torch.Tensor:
-        order = self.trace.order if self.trace is not None else []
-        n, k = self.n, len(self.shards)
+        assert self.order is not None
+        order, n, k = self.order, self.n, len(self.shards)
         held = [initial] * n  # the parameters each worker holds, and their version on each shard
         versions = [(0,) * k] * n
         ahead: list[deque[tuple[int, int]]] = [deque() for _ in range(n)]  # each worker's events to come

@@ -38,6 +38,7 @@ from testbed.launch.rank import buffer_hash, param_hash
 from testbed.launch.virtual.cluster import compute_of, pace
 from testbed.launch.virtual.families import FAMILY_CLASSES, Outcome, Work
 from testbed.launch.virtual.gradients import Gradients
+from testbed.launch.virtual.replay import replayed_order
 from testbed.memory import rss_now_peak
 from testbed.models import build_model, gradient_bytes, model_heldout, objective_batches, workload_facts
 from testbed.models.call import model_call
@@ -71,7 +72,10 @@ def run_virtual(cfg: DictConfig, plain: dict[str, Any], job_dir: Path) -> dict[s
     work = Work(batches, [loss_weight(sizes, w) for w in range(n)], int(cfg.sync.accumulate),
                 Gradients(model, call, int(cfg.launcher.vmap_workers)), schedule_of(cfg, train_size))
     outcome = Outcome.empty(steps, n)
-    family = FAMILY_CLASSES[family_of(cfg)](cfg, plain, work, model, outcome, prediction.trace)
+    replay = cfg.launcher.get("replay")
+    order = (replayed_order(Path(replay), n, steps) if replay else
+             prediction.trace.order if prediction.trace is not None else None)
+    family = FAMILY_CLASSES[family_of(cfg)](cfg, plain, work, model, outcome, order)
 
     # Each step ends, on the clock, when its slowest worker's does; evaluation waits for it.
     ends = np.cumsum([[r.t_step for r in rows] for rows in prediction.records], axis=1).max(axis=0)
@@ -114,7 +118,7 @@ def run_virtual(cfg: DictConfig, plain: dict[str, Any], job_dir: Path) -> dict[s
     summary = summarize(plain, records, [facts], {**prediction.facts, **family.facts()}, label=run_label(plain))
     summary.update(clock="simulated", replicas_identical=None, cluster={
         **plain["cluster"], "compute_per_sample": dataclasses.asdict(compute), "compute_from": source,
-        "eval_s": eval_s, "workers": n})
+        "eval_s": eval_s, "workers": n, "order": f"replayed from {replay}" if replay else "clock"})
     write_summary(job_dir, summary)
     return summary
 
