@@ -13,7 +13,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-PRESETS := compare scaling overlap buckets accumulation stragglers diminishing paper_models topology backup_workers balance critical_batch elastic
+PRESETS := compare scaling overlap buckets accumulation stragglers diminishing paper_models topology backup_workers balance critical_batch elastic backup_workers_at_scale staleness_at_scale
 SIM_PRESETS := scaling_sim horovod topology_sim
 RUN_DIR = results/$(PRESET)/$(shell date +%Y-%m-%d_%H-%M-%S)
 

@@ -31,6 +31,7 @@ from analysis import (
     figures,
     memory,
     published,
+    staleness,
     topology,
     validation,
 )
@@ -109,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     written += figs
     sections.append(section)
     figs, section = memory.analyse(summaries, out)
+    written += figs
+    sections.append(section)
+    figs, section = staleness.analyse(summaries, out)
     written += figs
     sections.append(section)
     if args.calibration:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -21,7 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from analysis.figures import _save, _workers_axis  # noqa: E402
-from analysis.stats import mlperf_score, point, verdicts  # noqa: E402
+from analysis.stats import cell, mlperf_score, point, verdicts  # noqa: E402
 from testbed.results.format import markdown_table  # noqa: E402
 from testbed.results.keys import run_key  # noqa: E402
 
@@ -68,18 +69,39 @@ def target_table(runs: pd.DataFrame) -> pd.DataFrame:
             "final_accuracy": group["eval_accuracy"].median(),
         })
     table = pd.DataFrame(rows).sort_values(["race", "world_size", "tta_median"]).reset_index(drop=True)
-    table["verdict"] = ""
+    table["verdict"], table["paired"], table["paired_verdict"] = "", "", ""
     for _, group in table.groupby(["race", "world_size"], dropna=False):
         points = [{"median": r.tta_median, "lo": r.tta_lo, "hi": r.tta_hi} for r in group.itertuples()]
         table.loc[group.index, "verdict"] = verdicts(points, higher_is_better=False)
+        best = group.index[0]  # sorted: the fastest median first
+        for i in group.index[1:]:
+            table.loc[i, ["paired", "paired_verdict"]] = _paired(ok, table.loc[i], table.loc[best])
     return table
+
+
+def _paired(ok: pd.DataFrame, row: pd.Series, best: pd.Series) -> tuple[str, str]:
+    """``row``'s time to target over the best's, seed by seed (the same seed draws the same model,
+    data order and, on a virtual cluster, compute), the mean ratio with its 95 % interval, and
+    "slower" where the interval lies above 1. A run that did not reach the target has no ratio."""
+    def times(r: pd.Series) -> dict[Any, float]:
+        runs = ok[(ok["config_key"] == r["config_key"]) & (ok["world_size"] == r["world_size"]) & ok["tta_reached"]]
+        return dict(zip(runs["seed"], runs["tta_s"]))
+
+    if "seed" not in ok.columns:
+        return "", ""
+    mine, theirs = times(row), times(best)
+    ratios = [mine[s] / theirs[s] for s in mine.keys() & theirs.keys() if theirs[s] > 0]
+    if len(ratios) < 2:
+        return "", ""
+    spread = point(ratios)
+    return cell(ratios, 2), "slower" if spread["lo"] > 1 else "tie"
 
 
 COLUMNS = {
     "option": "sync", "setting": "setting", "world_size": "n", "target": "target", "runs": "runs", "reached": "reached",
     "tta_median": "median s", "tta_lo": "95 % lo", "tta_hi": "95 % hi", "tta_mlperf": "MLPerf score s",
     "steps_median": "steps", "epochs_median": "epochs", "eval_share": "eval share", "final_accuracy": "final acc.",
-    "verdict": "at this n",
+    "verdict": "at this n", "paired": "× best, by seed", "paired_verdict": "paired",
 }
 
 
@@ -140,7 +162,10 @@ def analyse(runs: pd.DataFrame, out: Path) -> tuple[list[Path], str]:
             "MLPerf's clock: from the first step, never stopped, evaluation included ('eval share' is its part). "
             "Medians over the repeats that reached the target, the 95 % t interval of their mean, and MLPerf's "
             "score (drop the fastest and the slowest run, average the rest; a run that did not reach counts as "
-            "slowest). At each n, 'best' is the fastest median and 'tie' marks intervals that overlap its interval.",
+            "slowest). At each n, 'best' is the fastest median and 'tie' marks intervals that overlap its interval. "
+            "Paired by seed (a seed draws the same model, data order and virtual cluster in every run): each run's "
+            "time over the best's run of the same seed, the mean ratio with its 95 % interval, 'slower' where it "
+            "lies above 1.",
             "",
             markdown_table(table, COLUMNS),
             "",

@@ -188,6 +188,7 @@ def test_a_race_is_every_way_of_synchronizing_one_setting() -> None:
                 overrides = f"{how},{workload},seed={seed}"
                 rows.append({"status": "ok", "target_metric": "accuracy", "target_value": 0.85,
                              "overrides": overrides, "config_key": f"{how},{workload}", "option": how.split(",")[0],
+                             "seed": seed,
                              "setting": workload, "world_size": 3, "tta_s": seconds + 0.01 * seed, "tta_reached": True,
                              "tta_steps": 100, "tta_epochs": 1.0, "tta_eval_share": 0.0, "eval_accuracy": 0.86})
     table = target_table(pd.DataFrame(rows))
@@ -196,3 +197,7 @@ def test_a_race_is_every_way_of_synchronizing_one_setting() -> None:
         verdicts = dict(zip(race["config_key"].str.split(",imbalance").str[0], race["verdict"]))
         assert verdicts == {"sync=ps,sync.backup_workers=1": "best", "sync=ps_async": "",
                             "sync=ps,balance=dynamic": "", "sync=ps,sync.backup_workers=0": ""}
+        # Paired by seed, each is slower than the best by its ratio (4.0 / 3.0 for b = 0).
+        paired = dict(zip(race["config_key"].str.split(",imbalance").str[0], race["paired"]))
+        assert paired["sync=ps,sync.backup_workers=0"].startswith("1.33 (")
+        assert set(race["paired_verdict"]) == {"", "slower"}
