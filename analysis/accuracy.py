@@ -37,7 +37,8 @@ def eval_curves(runs: pd.DataFrame) -> pd.DataFrame:
         for line in path.read_text().splitlines():
             record = json.loads(line)
             rows.append({"source": run.source, "option": run.option, "setting": run.setting,
-                         "world_size": run.world_size, "seed": run.seed, **record})
+                         "world_size": run.world_size, "seed": run.seed, "clock": getattr(run, "clock", "wall"),
+                         **record})
     return pd.DataFrame(rows)
 
 
@@ -109,6 +110,7 @@ def curves_figure(curves: pd.DataFrame, out: Path) -> list[Path]:
     """Held-out accuracy (or loss) against wall-clock and against samples, one line per run."""
     metric = "accuracy" if "accuracy" in curves.columns else "loss"
     fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    curves = curves.assign(option=[o if not s else f"{o} ({s})" for o, s in zip(curves["option"], curves["setting"])])
     labels = sorted(curves["option"].astype(str).unique())
     colors = {label: f"C{i % 10}" for i, label in enumerate(labels)}
     styles = {n: ls for n, ls in zip(sorted(curves["world_size"].unique()), ("-", "--", ":", "-."))}
@@ -120,7 +122,8 @@ def curves_figure(curves: pd.DataFrame, out: Path) -> list[Path]:
         kw = {"color": colors[str(option)], "ls": styles.get(n, "-"), "lw": 1, "alpha": 0.8, "marker": "."}
         ax_t.plot(g["time_s"], g[metric], label=label, **kw)
         ax_s.plot(g["samples_seen"], g[metric], **kw)
-    ax_t.set_xlabel("wall-clock s (evaluation included)")
+    simulated = "clock" in curves.columns and (curves["clock"] == "simulated").all()
+    ax_t.set_xlabel(f"{'simulated clock' if simulated else 'wall-clock'} s (evaluation included)")
     ax_s.set_xlabel("samples seen")
     ax_t.set_ylabel(f"held-out {metric}")
     ax_t.set_title("the whole race")
@@ -130,7 +133,10 @@ def curves_figure(curves: pd.DataFrame, out: Path) -> list[Path]:
 
 
 def target_figure(table: pd.DataFrame, out: Path) -> list[Path]:
-    """Time to target against workers, the median with its 95 % interval, one line per synchronizer."""
+    """Time to target against workers, the median with its 95 % interval, one line per synchronizer;
+    at one n, one row per configuration (with its paired ratio to the best where there is one)."""
+    if table["world_size"].nunique() == 1:
+        return _target_rows(table, out)
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, (label, g) in enumerate(sorted(table.groupby(["option", "setting"], dropna=False), key=lambda x: str(x[0]))):
         g = g.sort_values("world_size")
@@ -143,6 +149,28 @@ def target_figure(table: pd.DataFrame, out: Path) -> list[Path]:
     ax.set_ylabel("time to target s (median, 95 % interval)")
     ax.set_title(f"time to {table['target'].iloc[0]}")
     ax.legend(fontsize=7)
+    return _save(fig, out, "time_to_target")
+
+
+def _target_rows(table: pd.DataFrame, out: Path) -> list[Path]:
+    rows = table.sort_values("tta_median", ascending=False, na_position="first").reset_index(drop=True)
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.5))
+    labels = []
+    for i, row in rows.iterrows():
+        name = row["option"] if not row["setting"] else f"{row['option']} ({row['setting']})"
+        if not math.isfinite(row["tta_median"]):
+            labels.append(f"{name}: not reached ({row['reached']} of {row['runs']})")
+            continue
+        labels.append(name + (f"\n×{row['paired']} by seed" if row["paired"] else "\nbest"))
+        low = 0.0 if math.isnan(row["tta_lo"]) else max(0.0, row["tta_median"] - row["tta_lo"])
+        high = 0.0 if math.isnan(row["tta_hi"]) else max(0.0, row["tta_hi"] - row["tta_median"])
+        ax.errorbar([row["tta_median"]], [i], xerr=[[low], [high]], capsize=3, marker="o", color=f"C{i % 10}")
+    ax.set_yticks(range(len(rows)), labels, fontsize=7)
+    ax.set_ylim(-0.6, len(rows) - 0.4)
+    ax.set_xlim(left=0)
+    ax.set_xlabel("time to target s (median, 95 % interval)")
+    ax.set_title(f"time to {table['target'].iloc[0]} at n = {int(table['world_size'].iloc[0])}")
+    fig.tight_layout()
     return _save(fig, out, "time_to_target")
 
 

@@ -48,6 +48,7 @@ def run_row(summary: dict[str, Any], overrides: list[str], source: str) -> dict[
     codec = next((o.split("=", 1)[1] for o in overrides if o.startswith("compress=")), "none")
     if codec != "none":  # a codec makes its own series: compared with, never averaged into, the plain one
         row["option"] = f"{row['option']}+{codec}"
+    row["clock"] = summary.get("clock", "wall")  # a virtual cluster's runs: "simulated" (testbed.launch.virtual)
     row["simulated"] = bool(summary.get("simulated"))
     if row["simulated"]:  # drawn as its own series beside the measured one
         row["option"] = f"{row['option']} (simulated)"

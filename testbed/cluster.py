@@ -59,6 +59,9 @@ class VirtualLauncherConfig:
     # A real run's job directory (sync=ps, async or ssp, one shard, this config): its order of pushes
     # and pulls, read from its step logs, in place of the clock's (testbed.launch.virtual.replay).
     replay: str | None = None
+    # The all-reduce family only: every step's gradients computed at the parameters of this many
+    # steps before, a fixed delay (Dai et al. 2019's simulated staleness); no real synchronizer does it.
+    fixed_delay: int = 0
 
 
 def check_virtual(cfg: Any) -> None:
@@ -108,6 +111,11 @@ def check_virtual(cfg: Any) -> None:
         missing = [str(log) for log in logs if not log.is_file()]
         require(not missing, f"launcher.replay={replay}: no step log {missing[0] if missing else ''}; name the job "
                              f"directory of a real run of world_size={cfg.world_size}")
+    delay = int(cfg.launcher.get("fixed_delay") or 0)
+    require(delay >= 0, f"launcher.fixed_delay={delay}: steps, must be >= 0")
+    require(not delay or FAMILIES[name] == "lockstep",
+            f"launcher.fixed_delay={delay} delays the all-reduce family's gradients; with sync={name} staleness comes "
+            "from the clock (sync=ps sync.mode=ssp|async)")
     workers = int(cfg.launcher.vmap_workers)
     require(workers >= 1, f"launcher.vmap_workers={workers}: must be >= 1 (1: one worker at a time)")
     check_cluster(cfg)

@@ -19,8 +19,11 @@ from omegaconf import OmegaConf
 
 from testbed import config
 from testbed.cluster import FAMILIES
+from testbed.data import build_data
 from testbed.launch.virtual.cluster import pace
 from testbed.launch.virtual.run import clock_config, run_virtual
+from testbed.models import build_model
+from testbed.models.call import model_call
 from testbed.paths import config_dir
 from testbed.sim.step import Compute, predict
 from testbed.sync import SYNCHRONIZERS
@@ -101,6 +104,28 @@ def test_replaying_a_real_async_run_reproduces_its_model(tmp_path: Path) -> None
     with pytest.raises(config.ConfigError, match="one shard"):
         config.validate(cfg_of([*COMMON, *FIXED, "sync=ps", "sync.mode=async", "sync.servers=2", "world_size=3",
                                 f"launcher.replay={real}"]))
+
+
+def test_a_fixed_delay_computes_each_step_at_the_parameters_of_s_steps_before(tmp_path: Path) -> None:
+    delay, steps = 2, 6
+    args = ["sync=allreduce", "world_size=1", "optim=sgd_plain", f"steps={steps}", f"launcher.fixed_delay={delay}"]
+    summary = virtual(tmp_path, args)
+    assert summary["staleness_histogram"] == [1, 1, steps - 2]  # steps 0 and 1 at the initial parameters
+    cfg = cfg_of([*COMMON, *FIXED, *args])
+    torch.manual_seed(0)
+    spec, data = build_data(cfg.data, [int(cfg.data.batch_size)], 0, 0)
+    model = build_model(cfg.model, spec)
+    history = [torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()]
+    for step in range(steps):
+        torch.nn.utils.vector_to_parameters(history[max(0, step - delay)], model.parameters())
+        model.zero_grad()
+        model_call(cfg.model)(model, *data.batch(step)).loss.backward()
+        grad = torch.nn.utils.parameters_to_vector(p.grad for p in model.parameters())
+        history.append(history[-1] - float(cfg.optim.lr) * grad)
+    torch.nn.utils.vector_to_parameters(history[-1], model.parameters())
+    assert rel_err(model.state_dict(), load_params(tmp_path)) <= TOL
+    with pytest.raises(config.ConfigError, match="fixed_delay"):
+        config.validate(cfg_of([*COMMON, *FIXED, "sync=ps", "launcher.fixed_delay=1"]))
 
 
 def test_same_seed_same_virtual_run_bitwise(tmp_path: Path) -> None:

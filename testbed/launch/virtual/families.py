@@ -103,13 +103,24 @@ class Family(ABC):
 
 
 class Lockstep(Family):
+    """With ``launcher.fixed_delay`` = s, every step's gradients are computed at the parameters of s
+    steps before (the first steps' at the initial ones): staleness as a fixed delay (Dai et al. 2019),
+    which no real synchronizer makes."""
+
     def run(self, done: Done) -> torch.Tensor:
         params, grads = flat_views(self.model, torch.device("cpu"))
         optimizer = build_optimizer(self.cfg.optim, self.model.parameters())
         everyone = list(range(self.n))
+        delay = int(self.cfg.launcher.get("fixed_delay") or 0)
+        earlier = deque([params.clone()] * delay)  # the parameters of the last `delay` steps, oldest first
         for step in range(self.steps):
             _set_lr(optimizer, self.work.schedule.lr_at(step))
-            g, losses = self.work.grads(params, everyone, [step] * self.n)
+            if delay:
+                earlier.append(params.clone())
+            at = earlier.popleft() if delay else params
+            g, losses = self.work.grads(at, everyone, [step] * self.n)
+            if delay:
+                self.outcome.staleness[step] = min(step, delay)
             grads.copy_(_mean(g))
             optimizer.step()
             self.outcome.loss[step] = losses.numpy()
