@@ -20,12 +20,15 @@ import matplotlib
 matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
 
 from analysis.figures import _save  # noqa: E402
 from analysis.stats import cell, point  # noqa: E402
 from testbed.results.format import markdown_table  # noqa: E402
 
 ASYNC = math.inf  # where asynchronous training sits on the bound's axis: no bound
+COLUMNS = {"optimizer": "optimizer", "kind": "staleness as", "s": "s", "seeds": "seeds",
+           "staleness": "mean staleness measured", "accuracy": "final held-out accuracy"}
 
 
 def optimizer_of(cfg: dict[str, Any]) -> str:
@@ -88,10 +91,9 @@ def table(by: dict[tuple[str, str, float], dict[str, list[float]]]) -> str:
     rows = []
     for optimizer, kind, bound in sorted(by, key=lambda k: (k[0], k[1] != "SSP", k[2])):
         values = by[(optimizer, kind, bound)]
-        rows.append({"optimizer": optimizer, "staleness as": kind, "s": _bound_label(bound),
-                     "seeds": len(values["accuracy"]), "mean staleness": cell(values["staleness"], 2),
-                     "accuracy": cell(values["accuracy"], 3)})
-    return markdown_table(rows)
+        rows.append({"optimizer": optimizer, "kind": kind, "s": _bound_label(bound), "seeds": len(values["accuracy"]),
+                     "staleness": cell(values["staleness"], 2), "accuracy": cell(values["accuracy"], 3)})
+    return markdown_table(pd.DataFrame(rows), COLUMNS)
 
 
 def trend(by: dict[tuple[str, str, float], dict[str, list[float]]]) -> list[str]:
