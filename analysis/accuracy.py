@@ -161,7 +161,7 @@ def _target_rows(table: pd.DataFrame, out: Path) -> list[Path]:
         if not math.isfinite(row["tta_median"]):
             labels.append(f"{name}: not reached ({row['reached']} of {row['runs']})")
             continue
-        labels.append(name + (f"\n×{row['paired']} by seed" if row["paired"] else "\nbest"))
+        labels.append(name + (f"\n×{row['paired']} by seed" if row["paired"] else "\nfastest of its race"))
         low = 0.0 if math.isnan(row["tta_lo"]) else max(0.0, row["tta_median"] - row["tta_lo"])
         high = 0.0 if math.isnan(row["tta_hi"]) else max(0.0, row["tta_hi"] - row["tta_median"])
         ax.errorbar([row["tta_median"]], [i], xerr=[[low], [high]], capsize=3, marker="o", color=f"C{i % 10}")
