@@ -48,6 +48,10 @@ class ClusterConfig:
     bandwidth: str = "10gbit"  # each worker's and each server's link
     alpha_us: float = 50.0  # per message
     eval_ms_per_sample: float | None = None  # held-out evaluation, charged to the clock; null: the forward time
+    # A codec's encode and decode times: this calibration's codec fits (python -m testbed.bench.codecs,
+    # measured on this machine's cores) times `codec_time_scale`; 0 costs the wire alone.
+    codec_calibration: str = "docs/sim/calibration.json"
+    codec_time_scale: float = 1.0
 
 
 @dataclass
@@ -71,8 +75,9 @@ def check_virtual(cfg: Any) -> None:
     name = cfg.sync.name
     require(name in FAMILIES, f"launcher=virtual runs sync={'|'.join(FAMILIES)}, not sync={name}; run it with "
                               "launcher=local, or predict its step times with python -m testbed.sim")
-    require(cfg.compress.name == "none", f"launcher=virtual with compress={cfg.compress.name}: codecs are not replayed "
-                                         "on a simulated clock yet; use compress=none or launcher=local")
+    require(cfg.compress.name == "none" or FAMILIES[name] == "lockstep",
+            f"launcher=virtual with compress={cfg.compress.name} and sync={name}: codecs run on the all-reduce "
+            "family's virtual workers only; use sync=allreduce|ring|tree|halving_doubling, or launcher=local")
     unsupported = {
         "elastic.enabled": bool(cfg.elastic.enabled), "fault": cfg.fault.name != "none",
         "balance": cfg.balance.name != "none", "network": cfg.network.name != "loopback",
@@ -142,6 +147,8 @@ def check_cluster(cfg: Any) -> None:
     require(cluster.alpha_us >= 0, f"cluster.alpha_us={cluster.alpha_us}: a latency, must be >= 0")
     eval_ms = cluster.get("eval_ms_per_sample")
     require(eval_ms is None or eval_ms >= 0, f"cluster.eval_ms_per_sample={eval_ms}: a time, must be >= 0 (or null)")
+    require(cluster.codec_time_scale >= 0, f"cluster.codec_time_scale={cluster.codec_time_scale}: a factor on the "
+                                           "codec times, must be >= 0 (0: the wire alone)")
     check_rate("cluster.bandwidth", str(cluster.bandwidth))
 
 

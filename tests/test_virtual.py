@@ -59,6 +59,7 @@ REAL = {
     "allreduce": ["sync=allreduce,ring"],
     "ps": ["sync=ps", "sync.servers=2", "optim=adamw"],
     "local_sgd": ["sync=local_sgd", "sync.period=2", "optim=sgd_plain"],
+    "codecs": ["sync=ring", "compress=topk,powersgd", "compress.error_feedback=true"],
 }
 
 
@@ -72,15 +73,20 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         for summary in sweep.glob("*/summary.json"):
             s = read_json(summary)
             assert s["status"] == "ok", s["error"]
-            jobs[f"{s['sync']}-{s['world_size']}"] = summary.parent
+            codec = s["config"]["compress"]["name"]
+            jobs[f"{s['sync'] if codec == 'none' else codec}-{s['world_size']}"] = summary.parent
     return jobs
 
 
 @pytest.mark.parametrize("n", [2, 3])
-@pytest.mark.parametrize("family", ["allreduce", "ring", "ps", "local_sgd"])
+@pytest.mark.parametrize("family", ["allreduce", "ring", "ps", "local_sgd", "topk", "powersgd"])
 def test_virtual_matches_the_real_synchronizer(real: dict[str, Path], tmp_path: Path, family: str, n: int) -> None:
-    args = [a for a in REAL["allreduce" if family == "ring" else family] if not a.startswith("sync=")]
-    summary = virtual(tmp_path, [f"sync={family}", f"world_size={n}", *args])
+    """The codecs run on ring: every worker's real codecs, error feedback included."""
+    codec = family in ("topk", "powersgd")
+    sweep = "codecs" if codec else "allreduce" if family == "ring" else family
+    args = [a for a in REAL[sweep] if not a.startswith(("sync=", "compress="))]
+    chosen = ["sync=ring", f"compress={family}"] if codec else [f"sync={family}"]
+    summary = virtual(tmp_path, [*chosen, f"world_size={n}", *args])
     assert summary["status"] == "ok" and summary["clock"] == "simulated"
     assert rel_err(load_params(real[f"{family}-{n}"]), load_params(tmp_path)) <= TOL
     # The losses each worker recorded are the real ranks' (ulps apart at most).
@@ -177,7 +183,7 @@ def test_a_workers_draws_do_not_depend_on_the_others() -> None:
 
 @pytest.mark.parametrize(("overrides", "named"), [
     (["sync=zero"], "launcher=virtual runs sync="),
-    (["sync=ring", "compress=topk"], "compress=topk"),
+    (["sync=ps", "compress=topk"], "compress=topk and sync=ps"),
     (["cluster.compute.ms_per_sample=-1"], "cluster.compute.ms_per_sample=-1"),
     (["cluster.compute.distribution=weibull"], "cluster.compute.distribution=weibull"),
     (["cluster.compute.stragglers=[9]"], "cluster.compute.stragglers"),

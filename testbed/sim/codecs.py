@@ -125,7 +125,8 @@ def plan(cfg: Any, groups: list[list[torch.Size]], fits: list[CodecFit] | None) 
     scale = 0.0 if fits is None else float(cfg.sim.codec_time_scale)
     fit = lookup_codec(fits, name) if fits is not None and scale else None
     if scale and fit is None:
-        where = f"sim.calibration={cfg.sim.calibration} has no codec times" if cfg.sim.calibration else "no sim.calibration"
+        key = "codec_calibration" if cfg.sim.get("codec_calibration") else "calibration"
+        where = f"sim.{key}={cfg.sim[key]} has no codec times" if cfg.sim.get(key) else "no sim.calibration"
         raise ConfigError(
             f"compress={codec_cfg.name}: {where} for {name!r}; add the records of python -m testbed.bench.codecs "
             "(python -m testbed.sim.calibrate bench.json codecs.json --out calibration.json; docs/sim/calibration.json "

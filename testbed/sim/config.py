@@ -27,3 +27,5 @@ class SimConfig:
     # A codec's encode and decode times (the calibration's, measured on the machine that ran
     # python -m testbed.bench.codecs) times this: 0 costs the wire alone.
     codec_time_scale: float = 1.0
+    # Codec fits from this calibration in place of `calibration`'s: measured codecs on a nominal link.
+    codec_calibration: str | None = None

@@ -427,11 +427,12 @@ def _plan(cfg: Any, groups: list[list[torch.Size]]) -> CodecPlan | None:
         raise config.ConfigError(f"sim.gradient_mb={cfg.sim.gradient_mb}: PowerSGD factors the model's matrices, "
                                  "which a gradient size does not give; simulate a model the testbed builds (+paper_model=...)")
     fits = []
-    if cfg.sim.calibration:
+    key = "codec_calibration" if cfg.sim.get("codec_calibration") else "calibration"
+    if cfg.sim.get(key):
         try:
-            fits = calibrate.load_codecs(in_checkout(cfg.sim.calibration))
+            fits = calibrate.load_codecs(in_checkout(cfg.sim[key]))
         except (OSError, ValueError) as exc:
-            raise config.ConfigError(f"sim.calibration={cfg.sim.calibration}: {exc}") from None
+            raise config.ConfigError(f"sim.{key}={cfg.sim[key]}: {exc}") from None
     return codecs.plan(cfg, groups, fits)
 
 

@@ -30,6 +30,7 @@ from torch import nn
 from testbed.collectives.common import chunk_bounds
 from testbed.data import BatchSource
 from testbed.eval.schedule import LrSchedule, with_schedule
+from testbed.launch.virtual.codecs import VirtualCodecs
 from testbed.launch.virtual.gradients import Gradients
 from testbed.optim import build_optimizer
 from testbed.sim.events import PUSH
@@ -105,13 +106,26 @@ class Family(ABC):
 class Lockstep(Family):
     """With ``launcher.fixed_delay`` = s, every step's gradients are computed at the parameters of s
     steps before (the first steps' at the initial ones): staleness as a fixed delay (Dai et al. 2019),
-    which no real synchronizer makes."""
+    which no real synchronizer makes. With a codec, every worker's real codecs reduce the gradients
+    (testbed.launch.virtual.codecs)."""
 
     def run(self, done: Done) -> torch.Tensor:
         params, grads = flat_views(self.model, torch.device("cpu"))
         optimizer = build_optimizer(self.cfg.optim, self.model.parameters())
-        everyone = list(range(self.n))
         delay = int(self.cfg.launcher.get("fixed_delay") or 0)
+        codecs = None
+        if self.cfg.compress.name != "none":
+            codecs = VirtualCodecs(self.cfg.compress, self.cfg.sync.get("bucket_mb"), self.model, self.n,
+                                   int(self.cfg.seed), float(self.cfg.timeouts.collective_s))
+        try:
+            return self._steps(done, params, grads, optimizer, delay, codecs)
+        finally:
+            if codecs is not None:
+                codecs.close()
+
+    def _steps(self, done: Done, params: torch.Tensor, grads: torch.Tensor, optimizer: torch.optim.Optimizer,
+               delay: int, codecs: VirtualCodecs | None) -> torch.Tensor:
+        everyone = list(range(self.n))
         earlier = deque([params.clone()] * delay)  # the parameters of the last `delay` steps, oldest first
         for step in range(self.steps):
             _set_lr(optimizer, self.work.schedule.lr_at(step))
@@ -121,7 +135,7 @@ class Lockstep(Family):
             g, losses = self.work.grads(at, everyone, [step] * self.n)
             if delay:
                 self.outcome.staleness[step] = min(step, delay)
-            grads.copy_(_mean(g))
+            grads.copy_(_mean(g) if codecs is None else codecs.mean(g))
             optimizer.step()
             self.outcome.loss[step] = losses.numpy()
             if done(step, lambda: params):

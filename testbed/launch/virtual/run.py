@@ -129,7 +129,8 @@ def clock_config(cfg: DictConfig) -> DictConfig:
     out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     cluster = cfg.cluster
     out.sim = {**OmegaConf.to_container(out.sim), "calibration": None, "link": None, "bandwidth": str(cluster.bandwidth),
-               "alpha_us": float(cluster.alpha_us), "cores": None, "gradient_mb": None, "codec_time_scale": 1.0}
+               "alpha_us": float(cluster.alpha_us), "cores": None, "gradient_mb": None,
+               "codec_calibration": str(cluster.codec_calibration), "codec_time_scale": float(cluster.codec_time_scale)}
     return out
 
 
