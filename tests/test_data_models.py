@@ -71,6 +71,19 @@ def test_datasets_are_deterministic(name: str) -> None:
         assert all(torch.equal(u, v) for u, v in zip(a.batch(step), b.batch(step)))
 
 
+def test_mnist1d_is_generated_once_and_kept_whole(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from testbed.data import datasets
+
+    monkeypatch.setenv("TESTBED_DATA_CACHE", str(tmp_path))
+    generated = datasets.mnist1d(200)
+    [kept] = tmp_path.glob("mnist1d-200-*.pt")  # one file, no temporary left behind
+    assert not list(tmp_path.glob("*.tmp"))
+    monkeypatch.setattr(datasets, "_generate_mnist1d", None)  # a second call must not generate
+    loaded = datasets.mnist1d(200)
+    assert len(loaded) == 4 and all(torch.equal(a, b) for a, b in zip(generated, loaded))
+    assert generated[0].shape == (160, 1, 40) and generated[2].shape == (40, 1, 40)  # the package's 80/20 split
+
+
 def test_digits_is_the_real_data_set() -> None:
     spec, batches = build_data(data_cfg(name="digits"), [8], 0, seed=0)
     # 1797 real digits, a stratified fifth of each class held out (testbed.data.datasets)

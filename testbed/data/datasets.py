@@ -8,7 +8,11 @@ templates) and never from the training tensors themselves.
 
 from __future__ import annotations
 
+import os
 import random
+import tempfile
+from importlib.metadata import version
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -66,7 +70,29 @@ def digits() -> Tensors:
 def mnist1d(num_samples: int) -> Tensors:
     """MNIST-1D (Greydanus 2020): the package's own generator with its own arguments (seed 42, an
     80/20 split), never its download path; ``num_samples`` 5000 is the paper's data set. Inputs are
-    1 x 40 signals."""
+    1 x 40 signals. Generating it takes seconds of CPU, so each size is generated once and kept in
+    the data cache (testbed.data.datasets.cache_dir), per version of the package."""
+    path = cache_dir() / f"mnist1d-{num_samples}-{version('mnist1d')}.pt"
+    if path.is_file():
+        return torch.load(path, weights_only=True)
+    tensors = _generate_mnist1d(num_samples)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")  # whole or absent: ranks may race to write it
+        os.close(fd)
+        torch.save(tensors, tmp)
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache: generate every time
+        pass
+    return tensors
+
+
+def cache_dir() -> Path:
+    """Where generated data sets are kept: $TESTBED_DATA_CACHE, else ~/.cache/testbed."""
+    return Path(os.environ.get("TESTBED_DATA_CACHE") or Path.home() / ".cache" / "testbed")
+
+
+def _generate_mnist1d(num_samples: int) -> Tensors:
     from mnist1d.data import get_dataset_args, make_dataset
 
     args = get_dataset_args()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -53,7 +52,9 @@ from testbed.world import World
 def run_virtual(cfg: DictConfig, plain: dict[str, Any], job_dir: Path) -> dict[str, Any]:
     """Run the job on its virtual cluster; its summary (written to ``job_dir``)."""
     n, steps, seed = int(cfg.world_size), int(cfg.steps), int(cfg.seed)
-    torch.set_num_threads(int(cfg.threads_per_rank) or os.cpu_count() or 1)
+    # One process: torch's own default (the cores, or OMP_NUM_THREADS where set: two threads per
+    # process under contention cost 3x here).
+    torch.set_num_threads(int(cfg.threads_per_rank) or torch.get_num_threads())
     torch.manual_seed(seed)  # the model's initialization, as every rank of a real run draws it
     sizes = shard_batches(cfg)
     spec, first = build_data(cfg.data, sizes, 0, seed)
