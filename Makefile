@@ -1,6 +1,7 @@
 # Two commands on a fresh machine:
-#   make demo   set up .venv, run the comparison sweep (sync x world_size), print the table, draw
-#               its scaling figure and report under results/compare/<time>/analysis
+#   make demo   set up .venv, race the synchronizers to a held-out target (sync x world_size x seed,
+#               real, n <= 4), project the race to 64 workers on a virtual cluster, and draw both
+#               under results/demo/<time>/analysis
 #   make test   set up .venv, lint, build the manual (mkdocs --strict), run the test suite (what CI runs)
 # make test-fast: the in-process unit tier and one end-to-end run (a few minutes).
 # Figures: make figure PRESET=stragglers [ARGS="seed=0"]; make figures runs every preset;
@@ -13,7 +14,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-PRESETS := compare scaling overlap buckets accumulation stragglers diminishing paper_models topology backup_workers balance critical_batch elastic backup_workers_at_scale staleness_at_scale
+PRESETS := compare time_to_target scaling overlap buckets accumulation stragglers diminishing paper_models topology backup_workers balance critical_batch elastic backup_workers_at_scale staleness_at_scale time_to_target_projected time_to_target_at_scale
 SIM_PRESETS := scaling_sim horovod topology_sim
 RUN_DIR = results/$(PRESET)/$(shell date +%Y-%m-%d_%H-%M-%S)
 
@@ -27,8 +28,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# The demo: a real sweep to a held-out target at n <= 4 and its projection to 64 workers on a
+# virtual cluster of this machine's workers, analysed together.
 demo: $(STAMP)
-	$(MAKE) --no-print-directory figure PRESET=compare
+	$(eval DIR := results/demo/$(shell date +%Y-%m-%d_%H-%M-%S))
+	$(BIN)/python -m testbed +experiment=time_to_target launcher.echo_rank0=false hydra.sweep.dir=$(DIR)/real $(ARGS)
+	$(BIN)/python -m testbed +experiment=time_to_target_projected hydra.sweep.dir=$(DIR)/virtual $(ARGS)
+	$(BIN)/python -m analysis $(DIR)/real $(DIR)/virtual --out $(DIR)/analysis
 
 figure: $(STAMP)
 	@test -n "$(PRESET)" || { echo "usage: make figure PRESET=<one of: $(PRESETS)> [ARGS=...]"; exit 2; }

@@ -55,12 +55,15 @@ def target_table(runs: pd.DataFrame) -> pd.DataFrame:
     # The race: runs that differ only in how they synchronize (synchronizer, its options, codec,
     # balanced batches; and seed, n) train the same model on the same data to the same target.
     ok["race"] = [run_key(o.split(",") if o else [], ignore=RACERS) for o in ok["overrides"].fillna("")]
+    if "clock" not in ok.columns:
+        ok["clock"] = "wall"
     rows = []
-    for (key, option, setting, n), group in ok.groupby(["config_key", "option", "setting", "world_size"], dropna=False):
+    for (key, option, setting, clock, n), group in ok.groupby(["config_key", "option", "setting", "clock", "world_size"],
+                                                              dropna=False):
         times = [t if r else math.nan for t, r in zip(group["tta_s"], group["tta_reached"])]
         spread = point(times)
         rows.append({
-            "config_key": key, "race": group["race"].iloc[0], "option": option, "setting": setting,
+            "config_key": key, "race": group["race"].iloc[0], "option": option, "setting": setting, "clock": clock,
             "world_size": n, "runs": len(group), "reached": int(group["tta_reached"].sum()),
             "target": f"{group['target_metric'].iloc[0]} {group['target_value'].iloc[0]:g}",
             "tta_median": spread["median"], "tta_lo": spread["lo"], "tta_hi": spread["hi"],
@@ -99,7 +102,8 @@ def _paired(ok: pd.DataFrame, row: pd.Series, best: pd.Series) -> tuple[str, str
 
 
 COLUMNS = {
-    "option": "sync", "setting": "setting", "world_size": "n", "target": "target", "runs": "runs", "reached": "reached",
+    "option": "sync", "setting": "setting", "clock": "clock", "world_size": "n", "target": "target", "runs": "runs",
+    "reached": "reached",
     "tta_median": "median s", "tta_lo": "95 % lo", "tta_hi": "95 % hi", "tta_mlperf": "MLPerf score s",
     "steps_median": "steps", "epochs_median": "epochs", "eval_share": "eval share", "final_accuracy": "final acc.",
     "verdict": "at this n", "paired": "× best, by seed", "paired_verdict": "paired",
@@ -138,18 +142,55 @@ def target_figure(table: pd.DataFrame, out: Path) -> list[Path]:
     if table["world_size"].nunique() == 1:
         return _target_rows(table, out)
     fig, ax = plt.subplots(figsize=(6, 4))
-    for i, (label, g) in enumerate(sorted(table.groupby(["option", "setting"], dropna=False), key=lambda x: str(x[0]))):
-        g = g.sort_values("world_size")
-        name = label[0] if not label[1] else f"{label[0]} ({label[1]})"
-        low = (g["tta_median"] - g["tta_lo"]).clip(lower=0).fillna(0)
-        high = (g["tta_hi"] - g["tta_median"]).clip(lower=0).fillna(0)
-        ax.errorbar(g["world_size"], g["tta_median"], yerr=[low, high], capsize=3, marker="o", color=f"C{i % 10}", label=name)
+    both = table["clock"].nunique() > 1  # real runs beside virtual ones: one color per series, dashed virtual
+    series = sorted(table.groupby(["option", "setting"], dropna=False), key=lambda x: str(x[0]))
+    for i, (label, series_rows) in enumerate(series):
+        for clock, g in series_rows.groupby("clock"):
+            g = g.sort_values("world_size")
+            name = label[0] if not label[1] else f"{label[0]} ({label[1]})"
+            name += f" ({'virtual' if clock == 'simulated' else 'real'})" if both else ""
+            low = (g["tta_median"] - g["tta_lo"]).clip(lower=0).fillna(0)
+            high = (g["tta_hi"] - g["tta_median"]).clip(lower=0).fillna(0)
+            ax.errorbar(g["world_size"], g["tta_median"], yerr=[low, high], capsize=3, marker="o", color=f"C{i % 10}",
+                        ls="--" if both and clock == "simulated" else "-", label=name)
+    if both:
+        overlap = sorted(set(table.loc[table["clock"] == "wall", "world_size"]) & set(table.loc[table["clock"] == "simulated", "world_size"]))
+        if overlap:
+            ax.axvspan(min(overlap) / 1.3, max(overlap) * 1.3, color="0.9", zorder=0, label="real and virtual overlap")
     _workers_axis(ax, sorted(table["world_size"].unique()))
     ax.set_xlabel("workers")
     ax.set_ylabel("time to target s (median, 95 % interval)")
     ax.set_title(f"time to {table['target'].iloc[0]}")
+    if both:
+        ax.set_yscale("log")
     ax.legend(fontsize=7)
     return _save(fig, out, "time_to_target")
+
+
+def overlap_table(table: pd.DataFrame) -> pd.DataFrame:
+    """Where real runs and virtual ones (launcher=virtual) share a synchronizer, setting and n: both
+    times to target and the virtual one's ratio to the real one, of medians, with whether the
+    intervals overlap."""
+    real, virtual = table[table["clock"] == "wall"], table[table["clock"] == "simulated"]
+    if real.empty or virtual.empty:
+        return pd.DataFrame()
+    keys = ["option", "setting", "world_size"]
+    both = real.merge(virtual, on=keys, suffixes=("_real", "_virtual"))
+    both["ratio"] = both["tta_median_virtual"] / both["tta_median_real"]
+    both["agree"] = [
+        "overlap" if max(a_lo, b_lo) <= min(a_hi, b_hi) else "apart"
+        for a_lo, a_hi, b_lo, b_hi in zip(both["tta_lo_real"], both["tta_hi_real"], both["tta_lo_virtual"], both["tta_hi_virtual"])
+    ]
+    both["steps_ratio"] = both["steps_median_virtual"] / both["steps_median_real"]
+    return both.sort_values(keys).reset_index(drop=True)
+
+
+OVERLAP_COLUMNS = {
+    "option": "sync", "setting": "setting", "world_size": "n",
+    "tta_median_real": "real s", "tta_lo_real": "lo", "tta_hi_real": "hi",
+    "tta_median_virtual": "virtual s", "tta_lo_virtual": "lo ", "tta_hi_virtual": "hi ",
+    "ratio": "virtual / real", "agree": "intervals", "steps_ratio": "steps virtual / real",
+}
 
 
 def _target_rows(table: pd.DataFrame, out: Path) -> list[Path]:
@@ -198,6 +239,19 @@ def analyse(runs: pd.DataFrame, out: Path) -> tuple[list[Path], str]:
             markdown_table(table, COLUMNS),
             "",
         ]
+        overlap = overlap_table(table)
+        if not overlap.empty:
+            parts += [
+                "## Virtual beside real",
+                "",
+                "Where real runs (this machine's wall-clock) and virtual ones (launcher=virtual: the described "
+                "cluster's simulated clock, the same math) share a synchronizer and n: the medians, their 95 % "
+                "intervals, and the virtual one's ratio to the real one. Steps to target agree where the math does; "
+                "times part where this machine is not the cluster described (ranks sharing cores, loopback for links).",
+                "",
+                markdown_table(overlap, OVERLAP_COLUMNS),
+                "",
+            ]
     if not curves.empty:
         final = curves.sort_values("step").groupby("source").tail(1)
         metric = "accuracy" if "accuracy" in final.columns else "loss"

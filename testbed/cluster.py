@@ -20,7 +20,7 @@ from testbed.models import build_model
 from testbed.network import check_rate
 
 DISTRIBUTIONS = ("constant", "lognormal", "exponential", "pareto")
-# The synchronizers a virtual run computes, by the family whose math it replays (testbed.launch.virtual.modes).
+# The synchronizers a virtual run computes, by the family whose math it replays (testbed.launch.virtual.families).
 FAMILIES = {"allreduce": "lockstep", "ring": "lockstep", "tree": "lockstep", "halving_doubling": "lockstep",
             "ddp": "lockstep", "ps": "parameter_server", "local_sgd": "local_sgd"}
 

@@ -201,3 +201,30 @@ def test_a_race_is_every_way_of_synchronizing_one_setting() -> None:
         paired = dict(zip(race["config_key"].str.split(",imbalance").str[0], race["paired"]))
         assert paired["sync=ps,sync.backup_workers=0"].startswith("1.33 (")
         assert set(race["paired_verdict"]) == {"", "slower"}
+
+
+def test_virtual_runs_are_set_beside_the_real_ones_where_they_overlap(tmp_path: Path) -> None:
+    """A real sweep (wall clock) and its virtual projection (simulated clock) of the same
+    synchronizers: separate series and verdicts, and one row per shared (sync, n) with the ratio."""
+    import pandas as pd
+
+    from analysis.accuracy import analyse, overlap_table, target_table
+
+    rows = []
+    for clock, sizes, preset in (("wall", (1, 2), "real"), ("simulated", (1, 2, 64), "virtual")):
+        for n in sizes:
+            for seed in range(3):
+                seconds = (10.0 if clock == "wall" else 8.0) / n + 0.1 * seed
+                rows.append({"status": "ok", "target_metric": "accuracy", "target_value": 0.5, "clock": clock,
+                             "overrides": f"+experiment={preset},sync=allreduce,world_size={n},seed={seed}",
+                             "config_key": f"+experiment={preset},sync=allreduce", "option": "allreduce", "seed": seed,
+                             "setting": "", "world_size": n, "tta_s": seconds, "tta_reached": True,
+                             "tta_steps": 100 / n, "tta_epochs": 1.0, "tta_eval_share": 0.0, "eval_accuracy": 0.5})
+    table = target_table(pd.DataFrame(rows))
+    assert set(table["verdict"]) == {"best"}  # each clock races alone
+    overlap = overlap_table(table)
+    assert list(overlap["world_size"]) == [1, 2]
+    assert overlap["ratio"].tolist() == pytest.approx([8.1 / 10.1, 4.1 / 5.1])
+    assert list(overlap["agree"]) == ["apart", "apart"] and overlap["steps_ratio"].tolist() == [1.0, 1.0]
+    figures, section = analyse(pd.DataFrame(rows), tmp_path)
+    assert "## Virtual beside real" in section and (tmp_path / "time_to_target.png").is_file()

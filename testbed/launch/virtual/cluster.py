@@ -4,8 +4,9 @@ A worker's compute time per step is its batch times a per-sample time, plus a pe
 a draw of mean 1 from ``compute.distribution`` (and ``compute.slowdown`` on the ``stragglers``).
 The per-sample time is, in this order of preference: ``compute.ms_per_sample``; the steady steps
 of a world_size 1 job (``compute.from_job``); a device's sustained FLOP/s against the model's
-FLOPs (``compute.flops_per_s``); else measured here, on the run's model, before it trains. Every
-worker draws from a random stream of its own, so adding a worker changes no other worker's draws.
+FLOPs (``compute.flops_per_s``); else measured here, on the run's model, before it trains: once per
+model, batch and thread count in a process, so that the jobs of one sweep run on the same cluster
+(a measurement per job would put its noise between the synchronizers compared). Every worker draws from a random stream of its own, so adding a worker changes no other worker's draws.
 """
 
 from __future__ import annotations
@@ -65,8 +66,14 @@ def compute_of(cluster: Any, model: nn.Module, call: ModelCall, batch: tuple[tor
             call(model, inputs, targets)
         forward = counter.get_total_flops() / len(inputs) / float(compute.flops_per_s)
         return Compute(forward, 2 * forward, 0.0, step_s), "model FLOPs at cluster.compute.flops_per_s"
-    forward_s, backward_s = _measured(model, call, inputs, targets)
+    key = (repr(model), tuple(inputs.shape), inputs.dtype, torch.get_num_threads())
+    if key not in _MEASURED:
+        _MEASURED[key] = _measured(model, call, inputs, targets)
+    forward_s, backward_s = _MEASURED[key]
     return Compute(forward_s, backward_s, 0.0, step_s), "measured here"
+
+
+_MEASURED: dict[tuple[Any, ...], tuple[float, float]] = {}  # this process's measurements (compute_of)
 
 
 def _measured(model: nn.Module, call: ModelCall, inputs: torch.Tensor, targets: torch.Tensor,
