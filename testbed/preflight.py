@@ -127,11 +127,20 @@ def check_command_line(argv: list[str]) -> int:
             return 0  # a sweep syntax the basic sweeper does not expand; Hydra reports or runs it
         composed: dict[tuple[str, ...], DictConfig] = {}
         need = 0
+        checked: set[tuple[str, ...]] = set()
+        exclude = None  # the sweep's exclusions: the first point's, where no point sets its own
         for point in points:
+            # A seed changes nothing a check reads: points apart only in it are checked once.
+            unseeded = tuple(sorted(o for o in point if not o.lstrip("+").startswith("seed=")))
+            own = any(o.lstrip("+").startswith("sweep_exclude") for o in point)
+            if unseeded in checked or (exclude is not None and not own and excluded(point, exclude) is not None):
+                continue  # an excluded point is not composed: that is most of the cost
+            checked.add(unseeded)
             try:
                 cfg = _compose(point, composed)
             except (HydraException, OmegaConfBaseException) as exc:
                 raise ConfigError(describe_composition_error(exc)) from None
+            exclude = None if own else cfg.sweep_exclude
             if excluded(point, cfg.sweep_exclude) is None:
                 validate(cfg, local_world_size=local)
                 need = max(need, listeners(cfg))
