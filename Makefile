@@ -14,7 +14,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-PRESETS := compare time_to_target scaling overlap buckets accumulation stragglers diminishing paper_models topology backup_workers balance critical_batch elastic backup_workers_at_scale staleness_at_scale time_to_target_projected time_to_target_at_scale
+PRESETS := compare time_to_target scaling overlap buckets accumulation stragglers diminishing paper_models topology backup_workers balance critical_batch elastic backup_workers_at_scale staleness_at_scale large_batch_at_scale time_to_target_projected time_to_target_at_scale
 SIM_PRESETS := scaling_sim horovod topology_sim
 RUN_DIR = results/$(PRESET)/$(shell date +%Y-%m-%d_%H-%M-%S)
 

@@ -94,21 +94,31 @@ def test_time_to_target_loss_matches_the_jsonl(sweep: Path) -> None:
     assert lower.isna().all()  # a target nobody reached gives no time, not a wrong one
 
 
-def test_the_demo_preset_runs_end_to_end_and_draws_its_figure(tmp_path: Path) -> None:
-    # make demo's sweep (every synchronizer, parameter server included, at 1, 2 and 4 workers), shortened.
-    sweep = tmp_path / "compare"
-    proc = run_cli(["+experiment=compare", "steps=10", "warmup_steps=2", "launcher.echo_rank0=false",
-                    f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=900)
+def test_the_demo_races_real_runs_projects_them_and_sets_the_two_side_by_side(tmp_path: Path) -> None:
+    """make demo, shortened: the real race to a held-out target (allreduce and the parameter server,
+    two seeds), its virtual projection past the real sizes, and the analysis of both."""
+    short = ["target.value=0.2", "eval.every=10", "steps=200", "seed=0,1"]
+    real, virtual = tmp_path / "real", tmp_path / "virtual"
+    proc = run_cli(["+experiment=time_to_target", *short, "world_size=1,2", "launcher.echo_rank0=false",
+                    f"hydra.sweep.dir={real}"], cwd=tmp_path, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "[sweep 15/15]" in proc.stdout  # the sweep's progress line
-    summaries = [read_json(p) for p in sweep.glob("*/summary.json")]
-    assert len(summaries) == 15 and all(s["status"] == "ok" for s in summaries)
-    proc = subprocess.run([sys.executable, "-m", "analysis", str(sweep)], capture_output=True, text=True,
-                          env=cli_env(), timeout=300)
+    assert "[sweep 8/8]" in proc.stdout  # the sweep's progress line
+    proc = run_cli(["+experiment=time_to_target_projected", *short, "world_size=1,2,16", f"hydra.sweep.dir={virtual}"],
+                   cwd=tmp_path, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (sweep / "analysis" / "scaling.png").exists() and (sweep / "analysis" / "scaling.pdf").exists()
-    rows = [line for line in (sweep / "analysis" / "report.md").read_text().splitlines() if " | 4 | " in line]
-    assert {row.split("|")[1].strip() for row in rows} >= {"none", "allreduce", "ring", "tree", "ps"}
+    summaries = [read_json(p) for p in (*real.glob("*/summary.json"), *virtual.glob("*/summary.json"))]
+    assert len(summaries) == 20 and all(s["status"] == "ok" and s["time_to_target"]["reached"] for s in summaries)
+    out = tmp_path / "analysis"
+    proc = subprocess.run([sys.executable, "-m", "analysis", str(real), str(virtual), "--out", str(out)],
+                          capture_output=True, text=True, env=cli_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "time_to_target.png").exists()
+    report = (out / "report.md").read_text()
+    beside = report.split("## Virtual beside real")[1].split("##")[0]
+    rows = [line.split("|") for line in beside.splitlines() if line.startswith("| allreduce") or line.startswith("| ps")]
+    assert sorted((r[1].strip(), r[3].strip()) for r in rows) == [("allreduce", "1"), ("allreduce", "2"), ("ps", "1"), ("ps", "2")]
+    # The same math: the virtual runs reach the target at the real runs' steps.
+    assert all(float(r[-2]) == 1.0 for r in rows)
 
 
 def test_codecs_are_compared_with_no_codec_under_each_synchronizer(tmp_path: Path) -> None:
