@@ -114,6 +114,11 @@ class CodecPlan:
     facts: dict[str, Any]
 
 
+def fits_key(sim: Any) -> str:
+    """The ``sim`` key whose calibration file gives the codec fits: ``codec_calibration`` where set."""
+    return "codec_calibration" if sim.get("codec_calibration") else "calibration"
+
+
 def plan(cfg: Any, groups: list[list[torch.Size]], fits: list[CodecFit] | None) -> CodecPlan | None:
     """The run's codec over ``groups`` (the parameter shapes of each bucket or shard; a shard is
     one flat tensor), with its time from ``fits`` (the calibration's; None: payloads only, no
@@ -125,7 +130,7 @@ def plan(cfg: Any, groups: list[list[torch.Size]], fits: list[CodecFit] | None) 
     scale = 0.0 if fits is None else float(cfg.sim.codec_time_scale)
     fit = lookup_codec(fits, name) if fits is not None and scale else None
     if scale and fit is None:
-        key = "codec_calibration" if cfg.sim.get("codec_calibration") else "calibration"
+        key = fits_key(cfg.sim)
         where = f"sim.{key}={cfg.sim[key]} has no codec times" if cfg.sim.get(key) else "no sim.calibration"
         raise ConfigError(
             f"compress={codec_cfg.name}: {where} for {name!r}; add the records of python -m testbed.bench.codecs "

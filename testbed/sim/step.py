@@ -427,7 +427,7 @@ def _plan(cfg: Any, groups: list[list[torch.Size]]) -> CodecPlan | None:
         raise config.ConfigError(f"sim.gradient_mb={cfg.sim.gradient_mb}: PowerSGD factors the model's matrices, "
                                  "which a gradient size does not give; simulate a model the testbed builds (+paper_model=...)")
     fits = []
-    key = "codec_calibration" if cfg.sim.get("codec_calibration") else "calibration"
+    key = codecs.fits_key(cfg.sim)
     if cfg.sim.get(key):
         try:
             fits = calibrate.load_codecs(in_checkout(cfg.sim[key]))
