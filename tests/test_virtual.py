@@ -231,3 +231,12 @@ def test_cli_writes_the_results_contract_on_the_simulated_clock(tmp_path: Path) 
     ends = [sum(r["t_step"] for r in read_jsonl(tmp_path / "metrics" / f"rank{w}.jsonl")[:6]) for w in range(6)]
     assert rows[0]["time_s"] == pytest.approx(max(ends) + rows[0]["t_eval"], rel=1e-9)
     assert rows[0]["t_eval"] > 0 and not math.isnan(summary["final_loss"])
+
+
+def test_a_diverged_run_stops_at_its_first_non_finite_evaluation(tmp_path: Path) -> None:
+    summary = virtual(tmp_path, ["sync=allreduce", "world_size=2", "optim.lr=1e6", "steps=40", "eval.every=2",
+                                 "target.metric=accuracy", "target.value=0.9", "target.stop=true"])
+    assert summary["time_to_target"]["status"] == "diverged" and not summary["time_to_target"]["reached"]
+    rows = read_jsonl(tmp_path / "metrics" / "eval.jsonl")
+    assert not math.isfinite(rows[-1]["loss"]) and all(math.isfinite(r["loss"]) for r in rows[:-1])
+    assert rows[-1]["step"] < 39

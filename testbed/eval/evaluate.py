@@ -14,6 +14,7 @@ it, because evaluation runs between steps, outside every step's timing.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -74,6 +75,7 @@ class Evaluator:
         self.target = Target(cfg.target)
         self.rows: list[dict[str, Any]] = []
         self.reached: dict[str, Any] | None = None
+        self.diverged: dict[str, Any] | None = None  # the first evaluation whose loss was not finite
         self.t_eval = 0.0
         self._file = open(eval_path(job_dir), "a") if world.is_main else None
         self.on_row = on_row  # e.g. the W&B mirror (rank 0)
@@ -118,6 +120,8 @@ class Evaluator:
         self.rows.append(row)
         if self.reached is None and self.target.met(row):
             self.reached = row
+        if self.diverged is None and not math.isfinite(float(row.get("loss", 0.0))):
+            self.diverged = row  # parameters gone to inf or NaN: no later step recovers them
         if self._file is not None:
             self._file.write(json.dumps(row) + "\n")
             self._file.flush()
@@ -126,8 +130,10 @@ class Evaluator:
         return row
 
     def stop_now(self) -> bool:
-        """Every rank stops here (target.stop): the metrics, and so the decision, are the same on all."""
-        return self.target.stop and self.reached is not None
+        """Every rank stops here (target.stop) once the target is met, or once the held-out loss is no
+        longer finite (a diverged run never meets it): the metrics, and so the decision, are the
+        same on all."""
+        return self.target.stop and (self.reached is not None or self.diverged is not None)
 
     def summary(self) -> dict[str, Any]:
         """summary.json's ``eval`` and ``time_to_target``."""
@@ -149,7 +155,7 @@ class Evaluator:
                 "samples": reached["samples_seen"] if reached else None,
                 "epochs": reached["epoch"] if reached else None,
                 "t_eval_share": reached["t_eval_total"] / reached["time_s"] if reached else None,
-                "status": "reached" if reached else "not reached",
+                "status": "reached" if reached else "diverged" if self.diverged else "not reached",
             }
         return out
 
