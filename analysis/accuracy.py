@@ -137,33 +137,40 @@ def curves_figure(curves: pd.DataFrame, out: Path) -> list[Path]:
 
 
 def target_figure(table: pd.DataFrame, out: Path) -> list[Path]:
-    """Time to target against workers, the median with its 95 % interval, one line per synchronizer;
-    at one n, one row per configuration (with its paired ratio to the best where there is one)."""
+    """Time to target against workers, the median with its 95 % interval, one line per synchronizer
+    and one panel per setting (e.g. each described cluster); at one n, one row per configuration
+    (with its paired ratio to the best where there is one)."""
     if table["world_size"].nunique() == 1:
         return _target_rows(table, out)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    both = table["clock"].nunique() > 1  # real runs beside virtual ones: one color per series, dashed virtual
-    series = sorted(table.groupby(["option", "setting"], dropna=False), key=lambda x: str(x[0]))
-    for i, (label, series_rows) in enumerate(series):
-        for clock, g in series_rows.groupby("clock"):
+    settings = sorted(table["setting"].fillna("").unique())
+    fig, axes = plt.subplots(1, len(settings), figsize=(6 * len(settings), 4.5), squeeze=False)
+    options = sorted(table["option"].astype(str).unique())
+    colors = {option: f"C{i % 10}" for i, option in enumerate(options)}
+    markers = {option: "osD^v<>ph*"[(i // 10) % 10] for i, option in enumerate(options)}
+    for ax, setting in zip(axes[0], settings):
+        panel = table[table["setting"].fillna("") == setting]
+        both = panel["clock"].nunique() > 1  # real runs beside virtual ones: dashed virtual
+        for (option, clock), g in sorted(panel.groupby(["option", "clock"]), key=lambda x: str(x[0])):
             g = g.sort_values("world_size")
-            name = label[0] if not label[1] else f"{label[0]} ({label[1]})"
-            name += f" ({'virtual' if clock == 'simulated' else 'real'})" if both else ""
+            name = str(option) + (f" ({'virtual' if clock == 'simulated' else 'real'})" if both else "")
             low = (g["tta_median"] - g["tta_lo"]).clip(lower=0).fillna(0)
             high = (g["tta_hi"] - g["tta_median"]).clip(lower=0).fillna(0)
-            ax.errorbar(g["world_size"], g["tta_median"], yerr=[low, high], capsize=3, marker="o", color=f"C{i % 10}",
-                        ls="--" if both and clock == "simulated" else "-", label=name)
-    if both:
-        overlap = sorted(set(table.loc[table["clock"] == "wall", "world_size"]) & set(table.loc[table["clock"] == "simulated", "world_size"]))
-        if overlap:
-            ax.axvspan(min(overlap) / 1.3, max(overlap) * 1.3, color="0.9", zorder=0, label="real and virtual overlap")
-    _workers_axis(ax, sorted(table["world_size"].unique()))
-    ax.set_xlabel("workers")
-    ax.set_ylabel("time to target s (median, 95 % interval)")
-    ax.set_title(f"time to {table['target'].iloc[0]}")
-    if both:
-        ax.set_yscale("log")
-    ax.legend(fontsize=7)
+            ax.errorbar(g["world_size"], g["tta_median"], yerr=[low, high], capsize=3, marker=markers[str(option)],
+                        color=colors[str(option)], ls="--" if both and clock == "simulated" else "-", label=name)
+        if both:
+            real = set(panel.loc[panel["clock"] == "wall", "world_size"])
+            overlap = sorted(real & set(panel.loc[panel["clock"] == "simulated", "world_size"]))
+            if overlap:
+                ax.axvspan(min(overlap) / 1.3, max(overlap) * 1.3, color="0.9", zorder=0, label="real and virtual overlap")
+        _workers_axis(ax, sorted(panel["world_size"].unique()))
+        ax.set_xlabel("workers")
+        ax.set_ylabel("time to target s (median, 95 % interval)")
+        ax.set_title(f"time to {table['target'].iloc[0]}" + (f": {setting}" if setting else ""))
+        times = panel["tta_median"].dropna()
+        if both or (len(times) and times.max() > 20 * times.min() > 0):  # a wide range: every line readable
+            ax.set_yscale("log")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
     return _save(fig, out, "time_to_target")
 
 
