@@ -6,7 +6,8 @@ The per-sample time is, in this order of preference: ``compute.ms_per_sample``; 
 of a world_size 1 job (``compute.from_job``); a device's sustained FLOP/s against the model's
 FLOPs (``compute.flops_per_s``); else measured here, on the run's model, before it trains: once per
 model, batch and thread count in a process, so that the jobs of one sweep run on the same cluster
-(a measurement per job would put its noise between the synchronizers compared). Every worker draws from a random stream of its own, so adding a worker changes no other worker's draws.
+(a measurement per job would put its noise between the synchronizers compared). Every worker draws
+from a random stream of its own, so adding a worker changes no other worker's draws.
 """
 
 from __future__ import annotations
