@@ -14,9 +14,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-PRESETS := compare time_to_target scaling overlap buckets accumulation stragglers diminishing paper_models topology backup_workers balance critical_batch elastic backup_workers_at_scale staleness_at_scale large_batch_at_scale time_to_target_projected time_to_target_at_scale
+PRESETS := compare time_to_target scaling overlap buckets accumulation stragglers diminishing paper_models topology backup_workers balance critical_batch elastic backup_workers_at_scale staleness_at_scale delay_at_scale large_batch_at_scale time_to_target_projected time_to_target_at_scale
 SIM_PRESETS := scaling_sim horovod topology_sim
 RUN_DIR = results/$(PRESET)/$(shell date +%Y-%m-%d_%H-%M-%S)
+# A sweep of real ranks keeps rank 0's output off the console; a virtual run has no ranks to echo.
+QUIET = $(if $(shell grep -l "override /launcher: virtual" experiments/experiment/$(PRESET).yaml 2>/dev/null),,launcher.echo_rank0=false)
 
 .PHONY: setup demo figure figures sim-figure lint docs test test-fast bench overhead clean
 
@@ -39,7 +41,7 @@ demo: $(STAMP)
 figure: $(STAMP)
 	@test -n "$(PRESET)" || { echo "usage: make figure PRESET=<one of: $(PRESETS)> [ARGS=...]"; exit 2; }
 	$(eval DIR := $(RUN_DIR))
-	$(BIN)/python -m testbed +experiment=$(PRESET) launcher.echo_rank0=false hydra.sweep.dir=$(DIR) $(ARGS)
+	$(BIN)/python -m testbed +experiment=$(PRESET) $(QUIET) hydra.sweep.dir=$(DIR) $(ARGS)
 	$(BIN)/python -m analysis $(DIR) --out $(DIR)/analysis $(ANALYSIS_ARGS)
 
 sim-figure: $(STAMP)

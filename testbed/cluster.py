@@ -80,7 +80,7 @@ def check_virtual(cfg: Any) -> None:
             "family's virtual workers only; use sync=allreduce|ring|tree|halving_doubling, or launcher=local")
     unsupported = {
         "elastic.enabled": bool(cfg.elastic.enabled), "fault": cfg.fault.name != "none",
-        "balance": cfg.balance.name != "none", "network": cfg.network.name != "loopback",
+        "network": cfg.network.name != "loopback",
         "checkpoint.every": bool(cfg.checkpoint.every), "resume": bool(cfg.resume),
         "stats.noise_scale": bool(cfg.stats.get("noise_scale")), "precision": enum_value(cfg.precision) != "fp32",
         "device": resolved_device(cfg) != "cpu",

@@ -148,6 +148,23 @@ def test_same_seed_same_virtual_run_bitwise(tmp_path: Path) -> None:
     assert len(first["staleness_histogram"]) - 1 <= 2 * 4
 
 
+@pytest.mark.parametrize("sync", ["allreduce", "ps"])
+def test_balanced_batches_move_samples_to_the_fast_workers_and_keep_the_model(tmp_path: Path, sync: str) -> None:
+    # Worker 1 computes at a third of the others' speed; balance decides the shares after step 1.
+    args = [f"sync={sync}", "world_size=3", "cluster.compute.stragglers=[1]", "cluster.compute.slowdown=3"]
+    virtual(tmp_path / "even", args)
+    virtual(tmp_path / "balanced", [*args, "balance=static", "balance.every=2"])
+    logs = {run: [read_jsonl(tmp_path / run / "metrics" / f"rank{w}.jsonl") for w in range(3)]
+            for run in ("even", "balanced")}
+    shares = [row["samples"] for row in (logs["balanced"][w][-1] for w in range(3))]
+    assert shares == [21, 7, 20], shares  # 48 samples at speeds 3 : 1 : 3, largest remainders first
+    assert [logs["balanced"][w][1]["samples"] for w in range(3)] == [16, 16, 16]
+    step_s = {run: sum(row["t_step"] for row in rows[0][2:]) for run, rows in logs.items()}
+    assert step_s["balanced"] < 0.8 * step_s["even"], step_s  # 0.54 (allreduce), 0.74 (ps)
+    # Every step still trains on the same global batch, so the model is the same.
+    assert rel_err(load_params(tmp_path / "even"), load_params(tmp_path / "balanced")) <= TOL
+
+
 @pytest.mark.parametrize("distribution", ["constant", "lognormal"])
 def test_async_staleness_of_n_equal_workers_averages_n_minus_1(tmp_path: Path, distribution: str) -> None:
     n = 8
@@ -184,6 +201,7 @@ def test_a_workers_draws_do_not_depend_on_the_others() -> None:
 @pytest.mark.parametrize(("overrides", "named"), [
     (["sync=zero"], "launcher=virtual runs sync="),
     (["sync=ps", "compress=topk"], "compress=topk and sync=ps"),
+    (["sync=local_sgd", "balance=static"], "balance=static with sync=local_sgd"),
     (["cluster.compute.ms_per_sample=-1"], "cluster.compute.ms_per_sample=-1"),
     (["cluster.compute.distribution=weibull"], "cluster.compute.distribution=weibull"),
     (["cluster.compute.stragglers=[9]"], "cluster.compute.stragglers"),

@@ -300,27 +300,30 @@ def _barrier(compute: np.ndarray, meet: np.ndarray, comm_s: np.ndarray) -> tuple
     return wait, comm
 
 
-def batches(cfg: Any, per_sample_s: float, optimizer_s: float, accumulate: int) -> tuple[np.ndarray, np.ndarray]:
-    """(batch, injected delay) of each rank (columns) at each step (rows).
+def batches(cfg: Any, per_sample_s: float, optimizer_s: float, accumulate: int,
+            pace: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(batch, injected delay) of each rank (columns) at each step (rows); ``pace``: the factor on
+    each rank's compute at each step (a virtual cluster's draws; none: 1).
 
     Batches are the shards' (testbed.imbalance.shard_batches) or, under ``balance=static|dynamic``,
-    decided from the ranks' simulated speeds, delays included: a rank of the heterogeneous kind at
-    speed s takes 1/s as long per sample, so it is given a share of the global batch in proportion
-    to s. The delays are drawn step by step, as the trainer draws them, since a factor-based delay
-    scales the rank's previous compute, whose batch a decision may have changed.
+    decided from the ranks' simulated speeds, pace and delays included: a rank of the heterogeneous
+    kind at speed s takes 1/s as long per sample, so it is given a share of the global batch in
+    proportion to s. The delays are drawn step by step, as the trainer draws them, since a
+    factor-based delay scales the rank's previous compute, whose batch a decision may have changed.
     """
     n, steps = int(cfg.world_size), int(cfg.steps)
     balance = cfg.get("balance")  # absent in the configs of runs from before balanced batches
     balanced = balance is not None and balance.name != "none"
     window = SpeedWindow(int(balance.every), balance.name == "static", 0) if balanced else None
     draws = Delays(cfg.imbalance, n, int(cfg.seed))
+    pace = np.ones((steps, n)) if pace is None else pace
     sizes = np.array(shard_batches(cfg))
     batch, delay = np.empty((steps, n), dtype=int), np.empty((steps, n))
     for t in range(steps):
         batch[t] = sizes
-        delay[t] = draws.draw(accumulate * batch[t - 1] * per_sample_s + optimizer_s if t else None)
+        delay[t] = draws.draw(pace[t - 1] * (accumulate * batch[t - 1] * per_sample_s + optimizer_s) if t else None)
         micro = accumulate * sizes
-        if window is not None and window.add(t, micro, micro * per_sample_s + delay[t]):
+        if window is not None and window.add(t, micro, pace[t] * micro * per_sample_s + delay[t]):
             sizes = np.array(apportion(int(sizes.sum()), window.take().tolist()))
     return batch, delay
 
@@ -343,6 +346,7 @@ class _Sync:
 class Prediction:
     records: list[list[StepRecord]]  # per rank, per step
     facts: dict[str, Any]  # what the prediction assumed
+    batches: np.ndarray  # each rank's (columns) samples per micro-step at each step (rows)
     trace: PsTrace | None = None  # a parameter server's worker clocks and the order of its events
 
 
@@ -356,8 +360,8 @@ def predict(cfg: Any, compute: Compute | None = None, pace: np.ndarray | None = 
     slowdown = max(1.0, n * threads / cfg.sim.cores) if cfg.sim.cores else 1.0
     per_sample = [slowdown * x for x in (compute.data_s, compute.forward_s, compute.backward_s)]
     optimizer_s = slowdown * compute.optimizer_s
-    sizes, delays = batches(cfg, sum(per_sample), optimizer_s, accumulate)
     pace = np.ones((steps, n)) if pace is None else pace
+    sizes, delays = batches(cfg, sum(per_sample), optimizer_s, accumulate, pace)
     work = pace * (accumulate * sizes * sum(per_sample) + optimizer_s) + delays  # [steps, n]
 
     tensors = gradient_tensors(cfg)
@@ -368,7 +372,7 @@ def predict(cfg: Any, compute: Compute | None = None, pace: np.ndarray | None = 
     facts: dict[str, Any] = {"gradient_bytes": gradient_bytes, "compute": asdict(compute), "slowdown": slowdown}
     if costing is None:  # nobody to talk to: every rank keeps its own pace
         alone = _Sync(np.zeros_like(work), np.zeros_like(work))
-        return Prediction(_records(sizes, per_sample, optimizer_s, accumulate, delays, alone, pace), facts)
+        return Prediction(_records(sizes, per_sample, optimizer_s, accumulate, delays, alone, pace), facts, sizes)
     link, facts["link"] = link_for(cfg, costing.series(cfg))
     facts["impl"] = costing.series(cfg)
     cost = costing.cost(cfg)
@@ -417,7 +421,7 @@ def predict(cfg: Any, compute: Compute | None = None, pace: np.ndarray | None = 
     if plan is not None:
         facts["compress"] = plan.facts
     records = _records(sizes, per_sample, optimizer_s, accumulate, delays, timing, pace)
-    return Prediction(records, facts, timing.trace)
+    return Prediction(records, facts, sizes, timing.trace)
 
 
 def _plan(cfg: Any, groups: list[list[torch.Size]]) -> CodecPlan | None:

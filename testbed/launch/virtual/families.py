@@ -28,8 +28,9 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from testbed.collectives.common import chunk_bounds
-from testbed.data import BatchSource
+from testbed.data import BatchSource, RankBatches
 from testbed.eval.schedule import LrSchedule, with_schedule
+from testbed.imbalance import loss_weight
 from testbed.launch.virtual.codecs import VirtualCodecs
 from testbed.launch.virtual.gradients import Gradients
 from testbed.optim import build_optimizer
@@ -42,23 +43,30 @@ Done = Callable[[int, Callable[[], torch.Tensor]], bool]
 
 @dataclass
 class Work:
-    """What every family computes with: each worker's batches and loss weight, the gradients, the schedule."""
+    """What every family computes with: each worker's batches and their sizes at every step, the
+    gradients, the schedule."""
 
-    batches: list[BatchSource]
-    weights: list[float]  # testbed.imbalance.loss_weight of each worker
+    batches: list[BatchSource]  # each worker's objective over its samples (testbed.models.objective_batches)
+    samples: list[RankBatches]  # each worker's samples, resized to the step's share of the global batch
+    sizes: np.ndarray  # each worker's (columns) samples per micro-step at each step (rows): the clock's
     accumulate: int
     gradients: Gradients
     schedule: LrSchedule
 
     def grads(self, params: torch.Tensor, workers: list[int], steps: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(gradients, losses) of ``workers`` at their ``steps``, at ``params`` (one flat tensor, or a
-        row each): summed over the accumulation window's micro-steps, each loss scaled 1/k, as the
-        trainer does; the loss is the micro-steps' mean."""
+        row each): summed over the accumulation window's micro-steps, each loss scaled 1/k and
+        weighted by its share of the global batch (testbed.imbalance.loss_weight), as the trainer
+        does; the loss is the micro-steps' mean."""
         k, total, losses = self.accumulate, None, []
         for micro in range(k):
-            pairs = [self.batches[w].batch(s * k + micro) for w, s in zip(workers, steps)]
-            g, loss = self.gradients.compute(params, [x for x, _ in pairs], [y for _, y in pairs],
-                                             [self.weights[w] / k for w in workers])
+            pairs, weights = [], []
+            for w, s in zip(workers, steps):
+                sizes = self.sizes[s].tolist()
+                self.samples[w].resize(sizes)  # balanced batches: the shares the clock decided for step s
+                pairs.append(self.batches[w].batch(s * k + micro))
+                weights.append(loss_weight(sizes, w) / k)
+            g, loss = self.gradients.compute(params, [x for x, _ in pairs], [y for _, y in pairs], weights)
             total = g if total is None else total.add_(g)
             losses.append(loss)
         assert total is not None

@@ -32,7 +32,7 @@ from testbed.data import RankBatches, build_data, build_heldout, data_kind, held
 from testbed.eval.config import evaluates
 from testbed.eval.evaluate import Evaluator
 from testbed.eval.schedule import schedule_of
-from testbed.imbalance import loss_weight, shard_batches
+from testbed.imbalance import shard_batches
 from testbed.launch.rank import buffer_hash, param_hash
 from testbed.launch.virtual.cluster import compute_of, pace
 from testbed.launch.virtual.families import FAMILY_CLASSES, Outcome, Work
@@ -70,7 +70,7 @@ def run_virtual(cfg: DictConfig, plain: dict[str, Any], job_dir: Path) -> dict[s
     prediction = predict(clock_config(cfg), compute, paced)
 
     train_size = data_kind(cfg.data.name).train_size(cfg.data)
-    work = Work(batches, [loss_weight(sizes, w) for w in range(n)], int(cfg.sync.accumulate),
+    work = Work(batches, sources, prediction.batches, int(cfg.sync.accumulate),
                 Gradients(model, call, int(cfg.launcher.vmap_workers)), schedule_of(cfg, train_size))
     outcome = Outcome.empty(steps, n)
     replay = cfg.launcher.get("replay")
