@@ -75,9 +75,8 @@ def check_virtual(cfg: Any) -> None:
     name = cfg.sync.name
     require(name in FAMILIES, f"launcher=virtual runs sync={'|'.join(FAMILIES)}, not sync={name}; run it with "
                               "launcher=local, or predict its step times with python -m testbed.sim")
-    require(cfg.compress.name == "none" or FAMILIES[name] == "lockstep",
-            f"launcher=virtual with compress={cfg.compress.name} and sync={name}: codecs run on the all-reduce "
-            "family's virtual workers only; use sync=allreduce|ring|tree|halving_doubling, or launcher=local")
+    require(not (name == "ps" and cfg.compress.get("pull")),
+            "launcher=virtual with compress.pull: the virtual shards serve whole parameters; drop compress.pull")
     unsupported = {
         "elastic.enabled": bool(cfg.elastic.enabled), "fault": cfg.fault.name != "none",
         "network": cfg.network.name != "loopback",

@@ -60,6 +60,8 @@ REAL = {
     "ps": ["sync=ps", "sync.servers=2", "optim=adamw"],
     "local_sgd": ["sync=local_sgd", "sync.period=2", "optim=sgd_plain"],
     "codecs": ["sync=ring", "compress=topk,powersgd", "compress.error_feedback=true"],
+    # A parameter server's shards decode each worker's payload; random-k draws from the worker's pushes.
+    "ps_codecs": ["sync=ps", "sync.servers=2", "compress=randomk", "compress.error_feedback=true"],
 }
 
 
@@ -74,18 +76,20 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             s = read_json(summary)
             assert s["status"] == "ok", s["error"]
             codec = s["config"]["compress"]["name"]
-            jobs[f"{s['sync'] if codec == 'none' else codec}-{s['world_size']}"] = summary.parent
+            name = s["sync"] if codec == "none" else codec if s["sync"] == "ring" else f"{s['sync']}+{codec}"
+            jobs[f"{name}-{s['world_size']}"] = summary.parent
     return jobs
 
 
 @pytest.mark.parametrize("n", [2, 3])
-@pytest.mark.parametrize("family", ["allreduce", "ring", "ps", "local_sgd", "topk", "powersgd"])
+@pytest.mark.parametrize("family", ["allreduce", "ring", "ps", "local_sgd", "topk", "powersgd", "ps+randomk"])
 def test_virtual_matches_the_real_synchronizer(real: dict[str, Path], tmp_path: Path, family: str, n: int) -> None:
-    """The codecs run on ring: every worker's real codecs, error feedback included."""
-    codec = family in ("topk", "powersgd")
-    sweep = "codecs" if codec else "allreduce" if family == "ring" else family
+    """The codecs run on ring and on a parameter server: every worker's real codecs, error feedback included."""
+    sync, _, codec = family.rpartition("+") if "+" in family else ("ring", "", family)
+    codec = codec if codec in ("topk", "powersgd", "randomk") else None
+    sweep = ("ps_codecs" if sync == "ps" else "codecs") if codec else "allreduce" if family == "ring" else family
     args = [a for a in REAL[sweep] if not a.startswith(("sync=", "compress="))]
-    chosen = ["sync=ring", f"compress={family}"] if codec else [f"sync={family}"]
+    chosen = [f"sync={sync}", f"compress={codec}"] if codec else [f"sync={family}"]
     summary = virtual(tmp_path, [*chosen, f"world_size={n}", *args])
     assert summary["status"] == "ok" and summary["clock"] == "simulated"
     assert rel_err(load_params(real[f"{family}-{n}"]), load_params(tmp_path)) <= TOL
@@ -200,7 +204,7 @@ def test_a_workers_draws_do_not_depend_on_the_others() -> None:
 
 @pytest.mark.parametrize(("overrides", "named"), [
     (["sync=zero"], "launcher=virtual runs sync="),
-    (["sync=ps", "compress=topk"], "compress=topk and sync=ps"),
+    (["sync=ps", "compress=topk", "compress.pull=true", "eval.every=0"], "compress.pull"),
     (["sync=local_sgd", "balance=static"], "balance=static with sync=local_sgd"),
     (["cluster.compute.ms_per_sample=-1"], "cluster.compute.ms_per_sample=-1"),
     (["cluster.compute.distribution=weibull"], "cluster.compute.distribution=weibull"),

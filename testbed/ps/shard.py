@@ -246,15 +246,21 @@ class Shard:
     def _decoded(self, worker: int, received: list[Chunk]) -> list[torch.Tensor]:
         """A compressed push decoded into a gradient of its own, as one view per partition. The
         worker's clock is its pushes so far: the step its codec encoded at (random-k's draws)."""
-        assert self.params is not None and self.codecs is not None
+        assert self.codecs is not None
         codec = self.codecs[worker]
         payload = torch.empty(codec.payload_numel(), dtype=codec.payload_dtype)
         for chunk in received:
             copy_in(payload, chunk.offset, chunk.data)
+        dense = self._decode(worker, payload)
+        return [dense[lo:hi] for lo, hi in self.parts]
+
+    def _decode(self, worker: int, payload: torch.Tensor) -> torch.Tensor:
+        assert self.params is not None and self.codecs is not None
+        codec = self.codecs[worker]
         codec.expect(self.clocks[worker])  # the worker's own pushes move its clock: stable here
         dense = torch.empty_like(self.params.detach())
         codec.decode(payload, dense)
-        return [dense[lo:hi] for lo, hi in self.parts]
+        return dense
 
     def _commit(self, worker: int, base: int, received: list[torch.Tensor], epoch: int) -> pb.PushReply:
         assert self.params is not None
@@ -401,9 +407,9 @@ class Shard:
 
     def push_local(self, worker: int, base: int, gradient: torch.Tensor) -> int:
         """``worker``'s gradient of this shard's range, computed on version ``base``, pushed from
-        this process: checked and committed as a received push is, by the mode's policy; its
-        staleness. The shard reads ``gradient`` until the update is applied, so it is the caller's
-        to give away."""
+        this process (with a codec: its payload, decoded as a received one is): checked and
+        committed as a received push is, by the mode's policy; its staleness. The shard reads
+        ``gradient`` until the update is applied, so it is the caller's to give away."""
         with self.cond:
             self._require_params()
             check_worker(worker, self.workers)
@@ -413,6 +419,8 @@ class Shard:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"push based on version {base} > {self.version}")
             self.cond.wait_for(self.settled)
             self.check_updating()
+        if self.codecs is not None:
+            gradient = self._decode(worker, gradient)
         return self._commit(worker, base, [gradient[lo:hi] for lo, hi in self.parts], self.epoch).staleness
 
     def pull_local(self, worker: int, clock: int) -> tuple[torch.Tensor, int]:

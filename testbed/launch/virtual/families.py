@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from testbed.collectives.common import chunk_bounds
+from testbed.compress import build_codec
 from testbed.data import BatchSource, RankBatches
 from testbed.eval.schedule import LrSchedule, with_schedule
 from testbed.imbalance import loss_weight
@@ -183,9 +184,14 @@ class ParameterServer(Family):
         initial = self.work.gradients.initial()
         self.bounds = chunk_bounds(initial.numel(), int(sync.servers))
         optim = OmegaConf.create(with_schedule(self.plain, data_kind(self.cfg.data.name).train_size(self.cfg.data)))
-        backup = int(sync.backup_workers)
-        self.shards = [Shard(i, n, str(sync.mode), int(sync.staleness), optim, int(sync.chunk_kb) * 1024, None,
-                             int(self.cfg.seed), False, backup) for i in range(len(self.bounds))]
+        backup, seed = int(sync.backup_workers), int(self.cfg.seed)
+        compress = self.cfg.compress if self.cfg.compress.name != "none" else None
+        self.shards = [Shard(i, n, str(sync.mode), int(sync.staleness), optim, int(sync.chunk_kb) * 1024, compress,
+                             seed, False, backup) for i in range(len(self.bounds))]
+        # Each worker's codec of each shard's range, as a real worker holds them (testbed.sync.ps):
+        # its error-feedback residual, its draws.
+        self.codecs = [[build_codec(compress, initial[lo:hi], [torch.Size([hi - lo])], i, w, seed)
+                        for i, (lo, hi) in enumerate(self.bounds)] for w in range(n)] if compress is not None else None
         for shard, (lo, hi) in zip(self.shards, self.bounds):
             with shard.cond:
                 shard.hold(initial[lo:hi].clone())
@@ -218,7 +224,7 @@ class ParameterServer(Family):
             if worker not in computed:
                 computed.update(self._compute_ready(ahead, held, versions, worker, step))
             grad, loss = computed.pop(worker)
-            staleness = max(shard.push_local(worker, versions[worker][i], grad[lo:hi].clone())
+            staleness = max(shard.push_local(worker, versions[worker][i], self._payload(worker, i, grad[lo:hi].clone()))
                             for i, (shard, (lo, hi)) in enumerate(zip(self.shards, self.bounds)))
             self.outcome.loss[step, worker], self.outcome.staleness[step, worker] = loss, staleness
             landed[step] += 1
@@ -227,6 +233,10 @@ class ParameterServer(Family):
                 if done(complete - 1, self._current):
                     return self._current()
         return self._current()
+
+    def _payload(self, worker: int, shard: int, gradient: torch.Tensor) -> torch.Tensor:
+        """What ``worker`` pushes of ``shard``'s range: the gradient, or its codec's payload."""
+        return gradient if self.codecs is None else self.codecs[worker][shard].compress(gradient)
 
     def _compute_ready(self, ahead: list[deque[tuple[int, int]]], held: list[torch.Tensor],
                        versions: list[tuple[int, ...]], worker: int, step: int) -> dict[int, tuple[torch.Tensor, float]]:
