@@ -18,6 +18,7 @@ from testbed.checks import enum_value, require, resolved_device
 from testbed.data import data_kind, spec_for
 from testbed.models import build_model
 from testbed.network import check_rate
+from testbed.paths import in_checkout
 
 DISTRIBUTIONS = ("constant", "lognormal", "exponential", "pareto")
 # The synchronizers a virtual run computes, by the family whose math it replays (testbed.launch.virtual.families).
@@ -47,6 +48,10 @@ class ClusterConfig:
     compute: ClusterComputeConfig = field(default_factory=ClusterComputeConfig)
     bandwidth: str = "10gbit"  # each worker's and each server's link
     alpha_us: float = 50.0  # per message
+    # Links measured in place of bandwidth and alpha_us: this calibration's fit of each synchronizer's
+    # implementation (python -m testbed.sim.calibrate) on `link`, gRPC's per-message cost included.
+    calibration: str | None = None
+    link: str = "loopback"
     eval_ms_per_sample: float | None = None  # held-out evaluation, charged to the clock; null: the forward time
     # A codec's encode and decode times: this calibration's codec fits (python -m testbed.bench.codecs,
     # measured on this machine's cores) times `codec_time_scale`; 0 costs the wire alone.
@@ -137,6 +142,10 @@ def check_cluster(cfg: Any) -> None:
     require(compute.distribution in DISTRIBUTIONS,
             f"cluster.compute.distribution={compute.distribution}: unknown; allowed: {'|'.join(DISTRIBUTIONS)}")
     require(compute.sigma >= 0, f"cluster.compute.sigma={compute.sigma}: must be >= 0")
+    calibration = cluster.get("calibration")
+    require(calibration is None or in_checkout(calibration).is_file(),
+            f"cluster.calibration={calibration}: no such file; name a calibration (docs/sim/calibration.json) or null "
+            "for the nominal links")
     require(compute.shape > 1, f"cluster.compute.shape={compute.shape}: a Pareto tail's shape must be > 1 (its mean "
                                "is infinite at 1 or below)")
     require(compute.slowdown > 0, f"cluster.compute.slowdown={compute.slowdown}: a factor on compute, must be > 0")

@@ -169,6 +169,16 @@ def test_balanced_batches_move_samples_to_the_fast_workers_and_keep_the_model(tm
     assert rel_err(load_params(tmp_path / "even"), load_params(tmp_path / "balanced")) <= TOL
 
 
+def test_calibrated_links_are_this_machines_fits_for_each_synchronizer(tmp_path: Path) -> None:
+    nominal = virtual(tmp_path / "nominal", ["sync=ps", "world_size=2"])
+    measured = virtual(tmp_path / "measured", ["sync=ps", "world_size=2", "cluster.calibration=docs/sim/calibration.json"])
+    assert nominal["sync_facts"]["link"]["source"] == "nominal"
+    link = measured["sync_facts"]["link"]
+    assert (link["source"], link["link"], link["impl"]) == ("calibration", "loopback", "ps_k1")
+    # gRPC's per-message cost on loopback (about 3.7 ms a push or pull) against the nominal 50 us.
+    assert measured["step_time"] > nominal["step_time"] + 2 * link["alpha"]
+
+
 @pytest.mark.parametrize("distribution", ["constant", "lognormal"])
 def test_async_staleness_of_n_equal_workers_averages_n_minus_1(tmp_path: Path, distribution: str) -> None:
     n = 8
@@ -213,6 +223,7 @@ def test_a_workers_draws_do_not_depend_on_the_others() -> None:
     (["model=gpt2", "data=lm", "model.n_layer=1", "model.d_model=32", "model.n_head=2"], "its dropout"),
     (["cluster.compute.wobble=1"], None),
     (["cluster.bandwidth=fast"], "cluster.bandwidth=fast"),
+    (["cluster.calibration=nowhere.json"], "cluster.calibration=nowhere.json"),
 ])
 def test_bad_virtual_input_is_refused_before_anything_runs(overrides: list[str], named: str | None) -> None:
     try:

@@ -125,11 +125,13 @@ def run_virtual(cfg: DictConfig, plain: dict[str, Any], job_dir: Path) -> dict[s
 
 
 def clock_config(cfg: DictConfig) -> DictConfig:
-    """The run's config as the simulator reads it for the cluster: its nominal link (no
-    calibration of this machine's), no cores shared, every rank computing on its own."""
+    """The run's config as the simulator reads it for the cluster: its nominal link, or its
+    calibration's; no cores shared, every rank computing on its own."""
     out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     cluster = cfg.cluster
-    out.sim = {**OmegaConf.to_container(out.sim), "calibration": None, "link": None, "bandwidth": str(cluster.bandwidth),
+    calibration = cluster.get("calibration")
+    out.sim = {**OmegaConf.to_container(out.sim), "calibration": calibration,
+               "link": str(cluster.link) if calibration else None, "bandwidth": str(cluster.bandwidth),
                "alpha_us": float(cluster.alpha_us), "cores": None, "gradient_mb": None,
                "codec_calibration": str(cluster.codec_calibration), "codec_time_scale": float(cluster.codec_time_scale)}
     return out
