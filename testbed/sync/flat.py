@@ -41,6 +41,18 @@ def bucket_ends(sizes: list[int], cap_bytes: float | None) -> list[int]:
     return ends
 
 
+def bucket_layout(params: list[nn.Parameter], cap_bytes: float | None) -> list[list[list[int]]]:
+    """A rank's buckets over ``params``: for each dtype (in name order), its parameters in reverse
+    registration order (backward's), cut by bucket_ends; each bucket as its parameters' indices in
+    ``params``. Bucket i of the flattened list is codec i's (testbed.compress.build_codec)."""
+    groups = []
+    for dtype in sorted({p.dtype for p in params}, key=str):
+        group = [i for i in reversed(range(len(params))) if params[i].dtype == dtype]
+        ends = bucket_ends([params[i].numel() * params[i].element_size() for i in group], cap_bytes)
+        groups.append([group[lo:hi] for lo, hi in zip([0, *ends[:-1]], ends)])
+    return groups
+
+
 @dataclass
 class Traffic:
     """One bucket's collective: bytes this rank sent and received, and when it ran (on the device's
@@ -106,9 +118,9 @@ class FlatGradSynchronizer(Synchronizer):
         cap_bytes = None if cap is None else float(cap) * 2**20
         self.buffers: list[torch.Tensor] = []
         self.buckets: list[Bucket] = []
-        for dtype in sorted({p.dtype for p in params}, key=str):
-            group = [p for p in reversed(params) if p.dtype == dtype]
-            flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=world.device)
+        for buckets in bucket_layout(params, cap_bytes):
+            group = [params[i] for bucket in buckets for i in bucket]
+            flat = torch.zeros(sum(p.numel() for p in group), dtype=group[0].dtype, device=world.device)
             offset = 0
             for p in group:
                 view = flat[offset : offset + p.numel()].view_as(p)
@@ -118,7 +130,8 @@ class FlatGradSynchronizer(Synchronizer):
                 offset += p.numel()
             offsets = list(itertools.accumulate((p.numel() for p in group), initial=0))
             start = 0
-            for end in bucket_ends([p.numel() * flat.element_size() for p in group], cap_bytes):
+            for bucket in buckets:
+                end = start + len(bucket)
                 self.buckets.append(Bucket(flat[offsets[start] : offsets[end]], group[start:end]))
                 start = end
             self.buffers.append(flat)

@@ -2,7 +2,7 @@
 
 Each worker holds one codec per bucket, as a real rank does (testbed.compress.build_codec with its
 rank and the run's seed: the same shared draws, the same error-feedback residuals), and the buckets
-are cut by testbed.sync.flat's rule. A step runs every worker's real ``reduce_`` on a thread of its
+are cut by testbed.sync.flat's rule (bucket_layout). A step runs every worker's real ``reduce_`` on a thread of its
 own, bucket by bucket in bucket order, over collectives held in memory: an all-reduce that sums the
 workers' payloads in worker order, an allgather that stacks them. So top-k, QSGD, the casts and
 PowerSGD's two all-reduces run here exactly as they do between processes; only the wire is gone.
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from testbed.compress import Codec, build_codec
-from testbed.sync.flat import bucket_ends
+from testbed.sync.flat import bucket_layout
 
 
 class _Meeting:
@@ -72,20 +72,17 @@ class VirtualCodecs:
         for p in params:
             offsets.append(offset)
             offset += p.numel()
-        # testbed.sync.flat lays gradients out in reverse registration order (backward's) and cuts
-        # its buckets there; each bucket here is the flat positions of the same parameters.
-        order = list(reversed(range(len(params))))
+        # testbed.sync.flat's buckets, each as the flat positions of its parameters.
         cap = None if bucket_mb is None else float(bucket_mb) * 2**20
-        ends = bucket_ends([params[i].numel() * params[i].element_size() for i in order], cap)
-        spans = list(zip([0, *ends[:-1]], ends))
-        self.buckets = [torch.cat([torch.arange(offsets[i], offsets[i] + params[i].numel()) for i in order[lo:hi]])
-                        for lo, hi in spans]
+        layout = [bucket for group in bucket_layout(params, cap) for bucket in group]
+        self.buckets = [torch.cat([torch.arange(offsets[i], offsets[i] + params[i].numel()) for i in bucket])
+                        for bucket in layout]
         self.n = n
         self.codecs: list[list[Codec]] = []
         for w in range(n):
-            built = [build_codec(compress, torch.empty(len(idx), dtype=params[0].dtype),
-                                 [params[i].shape for i in order[lo:hi]], b, w, seed)
-                     for b, (idx, (lo, hi)) in enumerate(zip(self.buckets, spans))]
+            built = [build_codec(compress, torch.empty(len(idx), dtype=params[bucket[0]].dtype),
+                                 [params[i].shape for i in bucket], b, w, seed)
+                     for b, (idx, bucket) in enumerate(zip(self.buckets, layout))]
             self.codecs.append([c for c in built if c is not None])
         self.meeting = _Meeting(n, timeout_s)
         self.members = [_Member(self.meeting, w) for w in range(n)]
