@@ -37,9 +37,10 @@ _BATCH_KEYS = ("data.batch_size=", "world_size=", "seed=", "+experiment=", "laun
 
 def fit_knee(batches: np.ndarray, steps: np.ndarray) -> tuple[float, float]:
     """(S_min, B_noise) of S = S_min (1 + B_noise/B) by least squares of S on 1/B; NaN where the
-    fit has no positive S_min (the steps did not level off: every batch is below the knee)."""
+    fit has no positive S_min (the steps did not level off: every batch is below the knee) or no
+    positive B_noise (the steps grew with the batch: the training broke down, not the model's knee)."""
     slope, intercept = np.polyfit(1.0 / batches, steps, 1)
-    if intercept <= 0:
+    if intercept <= 0 or slope <= 0:
         return math.nan, math.nan
     return float(intercept), float(slope / intercept)
 
@@ -150,12 +151,20 @@ def analyse(runs: pd.DataFrame, out: Path) -> tuple[list[Path], str]:
     for name, group in series(runs):
         table, fit = knee_table(group)
         curves.append((name, table, fit))
-        verdict = ("within 2x of the knee" if 0.5 <= fit["ratio"] <= 2 else "more than 2x from the knee") \
-            if math.isfinite(fit["ratio"]) else "no knee fitted"
-        parts += [f"### {name}", "", markdown_table(table, COLUMNS), "",
-                  f"Fit S = S_min (1 + B_noise/B): S_min = {fit['s_min']:.0f} steps, B_noise = {fit['b_noise']:.1f} "
-                  f"(95 % bootstrap interval {fit['b_noise_lo']:.0f} to {fit['b_noise_hi']:.0f}). B_simple "
-                  f"(median over the runs) = {fit['b_simple']:.1f}: {fit['ratio']:.3f}x B_noise, {verdict}.", ""]
+        if not math.isfinite(fit["b_noise"]):
+            knee = ("No knee fitted: the steps to target do not fall as S_min (1 + B_noise/B) with positive S_min "
+                    "and B_noise (they keep halving, or they grow with the batch).")
+        else:
+            knee = (f"Fit S = S_min (1 + B_noise/B): S_min = {fit['s_min']:.0f} steps, B_noise = {fit['b_noise']:.1f} "
+                    f"(95 % bootstrap interval {fit['b_noise_lo']:.0f} to {fit['b_noise_hi']:.0f}).")
+        if not math.isfinite(fit["b_simple"]):
+            simple = "B_simple was not measured (stats.noise_scale)."
+        elif math.isfinite(fit["ratio"]):
+            close = "within 2x of the knee" if 0.5 <= fit["ratio"] <= 2 else "more than 2x from the knee"
+            simple = f"B_simple (median over the runs) = {fit['b_simple']:.1f}: {fit['ratio']:.3f}x B_noise, {close}."
+        else:
+            simple = f"B_simple (median over the runs) = {fit['b_simple']:.1f}."
+        parts += [f"### {name}", "", markdown_table(table, COLUMNS), "", f"{knee} {simple}", ""]
     if not curves:
         return [], ""
     intro = ["## The critical batch", "",

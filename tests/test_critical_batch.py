@@ -56,6 +56,8 @@ def test_unreached_runs_are_counted_but_not_fitted_and_a_curve_without_a_knee_fi
     # Steps that keep halving with every doubling (all batches far below the knee): no positive S_min.
     batches = np.array([8.0, 16, 32, 64])
     assert all(math.isnan(v) for v in critical_batch.fit_knee(batches, 1000 * 8 / batches - 10))
+    # Steps that grow with the batch (a rate too large for it): no knee either.
+    assert all(math.isnan(v) for v in critical_batch.fit_knee(batches, 100 + batches))
 
 
 def test_the_section_names_the_verdict_and_draws_the_figure(tmp_path: Path) -> None:
