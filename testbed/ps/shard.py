@@ -255,6 +255,7 @@ class Shard:
         return [dense[lo:hi] for lo, hi in self.parts]
 
     def _decode(self, worker: int, payload: torch.Tensor) -> torch.Tensor:
+        """``worker``'s payload decoded into a gradient of this shard's range."""
         assert self.params is not None and self.codecs is not None
         codec = self.codecs[worker]
         codec.expect(self.clocks[worker])  # the worker's own pushes move its clock: stable here

@@ -2,9 +2,9 @@
 
 Each worker holds one codec per bucket, as a real rank does (testbed.compress.build_codec with its
 rank and the run's seed: the same shared draws, the same error-feedback residuals), and the buckets
-are cut by testbed.sync.flat's rule (bucket_layout). A step runs every worker's real ``reduce_`` on a thread of its
-own, bucket by bucket in bucket order, over collectives held in memory: an all-reduce that sums the
-workers' payloads in worker order, an allgather that stacks them. So top-k, QSGD, the casts and
+are a real rank's (testbed.sync.flat.bucket_layout). A step runs every worker's real ``reduce_`` on
+a thread of its own, bucket by bucket in bucket order, over collectives held in memory: an
+all-reduce that sums the workers' payloads in worker order, an allgather that stacks them. So top-k, QSGD, the casts and
 PowerSGD's two all-reduces run here exactly as they do between processes; only the wire is gone.
 """
 
