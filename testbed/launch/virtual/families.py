@@ -19,7 +19,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -53,6 +53,22 @@ class Work:
     accumulate: int
     gradients: Gradients
     schedule: LrSchedule
+    _splits: dict[bytes, tuple[list[int], list[float]]] = field(default_factory=dict, init=False)
+    _resized: dict[int, bytes] = field(default_factory=dict, init=False)  # the split each worker's samples hold
+
+    def _split(self, worker: int, step: int) -> float:
+        """Resize ``worker``'s samples to ``step``'s split of the global batch (balanced batches:
+        the clock's decision) where it changed; the worker's loss weight. Each distinct split's
+        weights are computed once: they change only at a balance decision."""
+        key = self.sizes[step].tobytes()
+        if key not in self._splits:
+            sizes = self.sizes[step].tolist()
+            self._splits[key] = sizes, [loss_weight(sizes, w) for w in range(len(sizes))]
+        sizes, weights = self._splits[key]
+        if self._resized.get(worker) != key:
+            self.samples[worker].resize(sizes)
+            self._resized[worker] = key
+        return weights[worker]
 
     def grads(self, params: torch.Tensor, workers: list[int], steps: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(gradients, losses) of ``workers`` at their ``steps``, at ``params`` (one flat tensor, or a
@@ -61,12 +77,8 @@ class Work:
         does; the loss is the micro-steps' mean."""
         k, total, losses = self.accumulate, None, []
         for micro in range(k):
-            pairs, weights = [], []
-            for w, s in zip(workers, steps):
-                sizes = self.sizes[s].tolist()
-                self.samples[w].resize(sizes)  # balanced batches: the shares the clock decided for step s
-                pairs.append(self.batches[w].batch(s * k + micro))
-                weights.append(loss_weight(sizes, w) / k)
+            weights = [self._split(w, s) / k for w, s in zip(workers, steps)]
+            pairs = [self.batches[w].batch(s * k + micro) for w, s in zip(workers, steps)]
             g, loss = self.gradients.compute(params, [x for x, _ in pairs], [y for _, y in pairs], weights)
             total = g if total is None else total.add_(g)
             losses.append(loss)
