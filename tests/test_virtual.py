@@ -83,16 +83,19 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return jobs
 
 
-@pytest.mark.parametrize(("family", "n"), [(family, n) for family in ("allreduce", "ring", "ps", "local_sgd", "topk",
-                                                                       "powersgd", "ps+randomk")
-                                           for n in (2, 3) if (family, n) != ("ps+randomk", 2)])
+# Each family's real sweep (REAL) and what picks it in that sweep.
+CASES = {"allreduce": ("allreduce", ["sync=allreduce"]), "ring": ("allreduce", ["sync=ring"]),
+         "ps": ("ps", ["sync=ps"]), "local_sgd": ("local_sgd", ["sync=local_sgd"]),
+         "topk": ("codecs", ["sync=ring", "compress=topk"]), "powersgd": ("codecs", ["sync=ring", "compress=powersgd"]),
+         "ps+randomk": ("ps_codecs", ["sync=ps", "compress=randomk"])}
+
+
+@pytest.mark.parametrize(("family", "n"), [(family, n) for family in CASES for n in (2, 3)
+                                           if (family, n) != ("ps+randomk", 2)])
 def test_virtual_matches_the_real_synchronizer(real: dict[str, Path], tmp_path: Path, family: str, n: int) -> None:
     """The codecs run on ring and on a parameter server: every worker's real codecs, error feedback included."""
-    sync, _, codec = family.rpartition("+") if "+" in family else ("ring", "", family)
-    codec = codec if codec in ("topk", "powersgd", "randomk") else None
-    sweep = ("ps_codecs" if sync == "ps" else "codecs") if codec else "allreduce" if family == "ring" else family
+    sweep, chosen = CASES[family]
     args = [a for a in REAL[sweep] if not a.startswith(("sync=", "compress=", "world_size="))]
-    chosen = [f"sync={sync}", f"compress={codec}"] if codec else [f"sync={family}"]
     summary = virtual(tmp_path, [*chosen, f"world_size={n}", *args])
     assert summary["status"] == "ok" and summary["clock"] == "simulated"
     assert rel_err(load_params(real[f"{family}-{n}"]), load_params(tmp_path)) <= TOL
