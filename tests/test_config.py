@@ -111,7 +111,14 @@ BAD = {
 }
 
 
-@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
+# The real CLI for each way an error reaches it: Hydra's override parser, the schema, validation,
+# the machine, one point of a sweep, a preset's sweep. Every case of BAD is also checked in-process
+# (test_preflight_raises_the_same_errors): check_command_line is what the CLI runs before anything.
+ON_THE_COMMAND_LINE = ["wrong type", "unknown option", "unknown key", "bad enum", "batch does not divide",
+                       "nccl without GPUs", "one bad sweep point", "bad point of a preset's sweep"]
+
+
+@pytest.mark.parametrize("case", ON_THE_COMMAND_LINE)
 def test_bad_config_is_one_line_before_spawning(tmp_path: Path, case: str) -> None:
     args, expected = BAD[case]
     if case == "nccl without GPUs":
@@ -126,7 +133,7 @@ def test_bad_config_is_one_line_before_spawning(tmp_path: Path, case: str) -> No
     assert not out.exists(), "nothing may be created (no job dir, no ranks) for a bad config"
 
 
-@pytest.mark.parametrize("case", [c for c in BAD if "sweep" not in c])
+@pytest.mark.parametrize("case", list(BAD))
 def test_preflight_raises_the_same_errors(case: str) -> None:
     args, expected = BAD[case]
     if case == "nccl without GPUs":
@@ -156,11 +163,11 @@ def test_every_preset_composes_and_validates_every_point(preset: str, tmp_path: 
     text = (Path(config_dir()) / "experiment" / f"{preset}.yaml").read_text()
     assert text.startswith("# @package _global_")
     if f"python -m testbed.sim +experiment={preset}" in text:
-        # Simulated: every point of every other axis is predicted at one world size and one link
-        # rate (sizes and rates themselves are predicted in test_sim_step).
+        # Simulated: every point of every other axis is predicted at one world size, one link rate
+        # and one paper model (sizes, rates and models themselves are predicted in test_sim_step).
         swept = OmegaConf.load(Path(config_dir()) / "experiment" / f"{preset}.yaml").hydra.sweeper.params
-        rate = [f"network.bandwidth={str(swept['network.bandwidth']).split(',')[0]}"] if "network.bandwidth" in swept else []
-        proc = run_cli([f"+experiment={preset}", "world_size=8", *rate, "steps=4", "warmup_steps=1", f"hydra.sweep.dir={tmp_path}"],
+        first = [f"{key}={str(swept[key]).split(',')[0]}" for key in ("network.bandwidth", "+paper_model") if key in swept]
+        proc = run_cli([f"+experiment={preset}", "world_size=8", *first, "steps=4", "warmup_steps=1", f"hydra.sweep.dir={tmp_path}"],
                        cwd=tmp_path, module="testbed.sim")
         assert proc.returncode == 0, proc.stderr[-2000:]
         return

@@ -16,6 +16,8 @@ from conftest import read_json, read_jsonl, run_cli
 
 from analysis import elastic
 from testbed import checkpoint
+from testbed.config import ConfigError
+from testbed.preflight import check_command_line
 from testbed.results.summary import load_summaries
 
 RUN = ["world_size=2", "steps=12", "warmup_steps=1", "launcher.echo_rank0=false"]
@@ -197,5 +199,6 @@ def test_bad_resume_configs_fail_before_anything_starts(tmp_path: Path, override
     empty = tmp_path / "empty"
     empty.mkdir()
     args = [o.format(job=job, empty=empty) for o in overrides]
-    proc = run_cli([*RUN, *args], cwd=tmp_path)
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    with pytest.raises(ConfigError) as info:  # what the CLI runs before anything (test_config runs the CLI)
+        check_command_line([*RUN, *args])
+    assert message in str(info.value)
