@@ -433,13 +433,22 @@ def test_ps_compressed_pull_sends_the_encoded_update(tmp_path: Path, mode: str) 
     assert stats.bytes_out == numel * 4 + steps * 8 * 300  # the full first pull, then one payload a step
 
 
-@pytest.mark.parametrize("codec", ["topk", "randomk", "signsgd"])
-def test_ps_run_with_a_codec_pushes_its_payload(tmp_path: Path, codec: str) -> None:
-    job = tmp_path / "job"
-    proc = run_cli(["world_size=2", "sync=ps", f"compress={codec}", "steps=4", "warmup_steps=1", f"hydra.run.dir={job}"],
-                   cwd=tmp_path)
+PS_CODECS = ["topk", "randomk", "signsgd"]
+
+
+@pytest.fixture(scope="module")
+def ps_codec_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One sweep: a parameter server under each codec."""
+    sweep = tmp_path_factory.mktemp("ps_codecs")
+    proc = run_cli(["-m", "world_size=2", "sync=ps", f"compress={','.join(PS_CODECS)}", "steps=4", "warmup_steps=1",
+                    "launcher.echo_rank0=false", f"hydra.sweep.dir={sweep}"], cwd=sweep)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    summary = read_json(job / "summary.json")
+    return {read_json(p)["config"]["compress"]["name"]: p.parent for p in sweep.glob("*/summary.json")}
+
+
+@pytest.mark.parametrize("codec", PS_CODECS)
+def test_ps_run_with_a_codec_pushes_its_payload(ps_codec_runs: dict[str, Path], codec: str) -> None:
+    summary = read_json(ps_codec_runs[codec] / "summary.json")
     facts = summary["sync_facts"]["compress"]
     assert summary["bytes_per_step"] == facts["payload_bytes"] < summary["gradient_bytes"] / 10
     assert summary["replicas_identical"] and summary["sync_facts"]["server_stats"][0]["rejected"] == 0

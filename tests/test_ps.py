@@ -64,15 +64,24 @@ def test_ps_records_its_own_wait_and_traffic(references: dict[str, Path]) -> Non
     assert facts["mode"] == "sync" and all(s["rejected"] == 0 for s in facts["server_stats"])
 
 
-@pytest.mark.parametrize("mode", ["async", "ssp"])
-def test_async_and_ssp_train_digits(tmp_path: Path, mode: str) -> None:
-    sweep = tmp_path / "sweep"
-    proc = run_cli(["-m", "sync=ps", f"sync.mode={mode}", "sync.staleness=2", "world_size=2,4", "data=digits",
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Path]]:
+    """Async and SSP at 2 and 4 workers, one sweep: each mode's jobs."""
+    sweep = tmp_path_factory.mktemp("digits")
+    proc = run_cli(["-m", "sync=ps", "sync.mode=async,ssp", "sync.staleness=2", "world_size=2,4", "data=digits",
                     "model.hidden=64", "optim.lr=0.1", "steps=120", "launcher.echo_rank0=false",
-                    f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=600)
+                    f"hydra.sweep.dir={sweep}"], cwd=sweep, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert sorted(read_json(p)["world_size"] for p in sweep.glob("*/summary.json")) == [2, 4]
-    for job in (p.parent for p in sweep.glob("*/summary.json")):
+    jobs: dict[str, list[Path]] = {}
+    for path in sweep.glob("*/summary.json"):
+        jobs.setdefault(read_json(path)["config"]["sync"]["mode"], []).append(path.parent)
+    return jobs
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_async_and_ssp_train_digits(digits: dict[str, list[Path]], mode: str) -> None:
+    assert sorted(read_json(job / "summary.json")["world_size"] for job in digits[mode]) == [2, 4]
+    for job in digits[mode]:
         s = read_json(job / "summary.json")
         # One batch of 32 is a noisy witness and async's staleness depends on scheduling: judge learning by
         # every rank's losses over the last 20 steps, against chance (ln 10 = 2.30).
