@@ -58,17 +58,22 @@ def test_one_synchronization_per_window(accumulated, sync: str) -> None:
 def test_local_sgd_with_period_one_equals_synchronous_training(tmp_path: Path) -> None:
     common = ["world_size=2", "data.scaling=strong", "data.batch_size=12"]
     sync = run(tmp_path, "allreduce", ["sync=allreduce", *common])
-    local = run(tmp_path, "local", ["sync=local_sgd", "sync.period=1", *common])
-    assert relative_error(load_params(local), load_params(sync)) <= TOL
-    drift = run(tmp_path, "local4", ["sync=local_sgd", "sync.period=4", *common])  # the check can fail
-    assert relative_error(load_params(drift), load_params(sync)) > TOL
-    post = run(tmp_path, "post", ["sync=local_sgd", "sync.period=100", f"sync.sync_steps={STEPS}", *common])
-    assert relative_error(load_params(post), load_params(sync)) <= TOL  # post-local SGD's synchronous phase
+    # Periods 1 and 4, and post-local SGD (period 100 after STEPS synchronous steps), in one sweep.
+    alone = "sweep_exclude=[" + ",".join(f"['sync.period={p}','sync.sync_steps={k}']"
+                                         for p, k in ((1, STEPS), (4, STEPS), (100, 0))) + "]"
+    sweep = run(tmp_path, "local", ["sync=local_sgd", "sync.period=1,4,100", f"sync.sync_steps=0,{STEPS}", alone, *common],
+                sweep=True)
+    local = {(s["config"]["sync"]["period"], s["config"]["sync"]["sync_steps"]): p.parent
+             for p in sweep.glob("*/summary.json") for s in [read_json(p)]}
+    assert set(local) == {(1, 0), (4, 0), (100, STEPS)}
+    assert relative_error(load_params(local[1, 0]), load_params(sync)) <= TOL
+    assert relative_error(load_params(local[4, 0]), load_params(sync)) > TOL  # the check can fail
+    assert relative_error(load_params(local[100, STEPS]), load_params(sync)) <= TOL  # post-local SGD's synchronous phase
 
 
 def test_ddp_equals_allreduce(tmp_path: Path) -> None:
     common = ["world_size=3", "data.scaling=strong", "data.batch_size=12"]
-    ref = run(tmp_path, "allreduce", ["sync=allreduce", *common])
-    ddp = run(tmp_path, "ddp", ["sync=ddp", "sync.bucket_mb=0.001", *common])  # several buckets
-    assert read_json(ddp / "summary.json")["replicas_identical"]
+    sweep = run(tmp_path, "sweep", ["sync=allreduce,ddp", "sync.bucket_mb=0.001", *common], sweep=True)  # several buckets
+    (ref, _), (ddp, summary) = summaries(sweep)["allreduce"], summaries(sweep)["ddp"]
+    assert summary["replicas_identical"]
     assert relative_error(load_params(ddp), load_params(ref)) <= TOL
