@@ -32,14 +32,15 @@ RUN = ["data.scaling=strong", "data.batch_size=32", "steps=4", "warmup_steps=1",
 
 def train(tmp_path: Path, name: str, args: list[str]) -> Path:
     job = tmp_path / name
-    proc = run_cli([*args, f"hydra.run.dir={job}"], cwd=tmp_path, env=ENV)
+    proc = run_cli([*args, f"hydra.{'sweep' if '-m' in args else 'run'}.dir={job}"], cwd=tmp_path, env=ENV)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return job
 
 
 @pytest.mark.parametrize("model", ["nanogpt", "huggingface"])
 def test_a_model_that_computes_its_own_loss_trains_alike_on_one_and_two_ranks(tmp_path: Path, model: str) -> None:
-    jobs = {n: train(tmp_path, str(n), [*OWN_LOSS[model], *RUN, f"world_size={n}", "sync=allreduce"]) for n in (1, 2)}
+    sweep = train(tmp_path, "sweep", ["-m", *OWN_LOSS[model], *RUN, "world_size=1,2", "sync=allreduce"])
+    jobs = {read_json(p)["world_size"]: p.parent for p in sweep.glob("*/summary.json")}
     summary = read_json(jobs[2] / "summary.json")
     assert summary["status"] == "ok" and summary["replicas_identical"]
     assert relative_error(load_params(jobs[2]), load_params(jobs[1])) <= 1e-5
