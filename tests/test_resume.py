@@ -200,5 +200,5 @@ def test_bad_resume_configs_fail_before_anything_starts(tmp_path: Path, override
     empty.mkdir()
     args = [o.format(job=job, empty=empty) for o in overrides]
     with pytest.raises(ConfigError) as info:  # what the CLI runs before anything (test_config runs the CLI)
-        check_command_line([*RUN, *args])
+        check_command_line([*RUN, *args, "device=cpu"])  # as run_cli ran the job
     assert message in str(info.value)
