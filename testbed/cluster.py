@@ -43,9 +43,21 @@ class ClusterComputeConfig:
 
 
 @dataclass
+class ClusterMembershipConfig:
+    # What a membership change costs on the clock (elastic.enabled; testbed.launch.virtual.membership),
+    # besides the state it sends over the links. The defaults are this machine's, measured on
+    # loopback (docs/elastic.md): a loss's new group some 40 ms after it, a join's rendezvous about
+    # 150 ms, a newcomer ready about 3 s after the loss (its process, its imports, its data).
+    regroup_ms: float = 40.0  # from a worker's loss to the survivors' new group
+    join_ms: float = 150.0  # a join's rendezvous, the members waiting at a step boundary
+    start_s: float = 3.0  # from a loss to its newcomer ready to join
+
+
+@dataclass
 class ClusterConfig:
     name: str = "here"
     compute: ClusterComputeConfig = field(default_factory=ClusterComputeConfig)
+    membership: ClusterMembershipConfig = field(default_factory=ClusterMembershipConfig)
     bandwidth: str = "10gbit"  # each worker's and each server's link
     alpha_us: float = 50.0  # per message
     # Links measured in place of bandwidth and alpha_us: this calibration's fit of each synchronizer's
@@ -82,8 +94,13 @@ def check_virtual(cfg: Any) -> None:
                               "launcher=local, or predict its step times with python -m testbed.sim")
     require(not (name == "ps" and cfg.compress.get("pull")),
             "launcher=virtual with compress.pull: the virtual shards serve whole parameters; drop compress.pull")
+    if cfg.elastic.enabled:
+        _check_virtual_elastic(cfg)
+    fault = cfg.fault.name
+    require(fault == "none" or (fault == "kill_rank" and cfg.elastic.enabled),
+            f"launcher=virtual with fault={fault}: a virtual run simulates a worker's loss that the others go on "
+            "from (fault=kill_rank with elastic.enabled=true), not a failure; drop fault= or run with launcher=local")
     unsupported = {
-        "elastic.enabled": bool(cfg.elastic.enabled), "fault": cfg.fault.name != "none",
         "network": cfg.network.name != "loopback",
         "checkpoint.every": bool(cfg.checkpoint.every), "resume": bool(cfg.resume),
         "stats.noise_scale": bool(cfg.stats.get("noise_scale")), "precision": enum_value(cfg.precision) != "fp32",
@@ -130,6 +147,17 @@ def check_virtual(cfg: Any) -> None:
     check_cluster(cfg)
 
 
+def _check_virtual_elastic(cfg: Any) -> None:
+    mode = cfg.sync.get("mode", "sync")
+    require(mode == "sync",
+            f"launcher=virtual with elastic.enabled and sync.mode={mode}: the parameter-server simulation "
+            "changes its membership at a step boundary of a synchronous run, and asynchronous workers are never at "
+            "one; use sync.mode=sync, or launcher=local")
+    require(cfg.elastic.batch == "keep_global",
+            f"launcher=virtual with elastic.batch={cfg.elastic.batch}: a virtual membership splits the same global "
+            "batch among its workers; use elastic.batch=keep_global, or launcher=local")
+
+
 def check_cluster(cfg: Any) -> None:
     cluster, compute = cfg.cluster, cfg.cluster.compute
     given = [k for k in ("ms_per_sample", "from_job", "flops_per_s") if compute.get(k) is not None]
@@ -158,6 +186,9 @@ def check_cluster(cfg: Any) -> None:
     require(cluster.codec_time_scale >= 0, f"cluster.codec_time_scale={cluster.codec_time_scale}: a factor on the "
                                            "codec times, must be >= 0 (0: the wire alone)")
     check_rate("cluster.bandwidth", str(cluster.bandwidth))
+    for key in ("regroup_ms", "join_ms", "start_s"):
+        value = cluster.membership[key]
+        require(value >= 0, f"cluster.membership.{key}={value}: a time, must be >= 0")
 
 
 def family_of(cfg: Any) -> str:

@@ -175,6 +175,32 @@ def test_balanced_batches_move_samples_to_the_fast_workers_and_keep_the_model(tm
     assert rel_err(load_params(tmp_path / "even"), load_params(tmp_path / "balanced")) <= TOL
 
 
+@pytest.mark.parametrize("sync", ["allreduce", "ps"])
+def test_a_lost_worker_and_its_newcomer_keep_the_model_and_charge_the_clock(tmp_path: Path, sync: str) -> None:
+    # Four workers, a global batch of 48; worker 2 is lost at the start of step 5 and a newcomer, ready
+    # at once, takes its place at step 8. The all-reduce family commits every 2 steps, so it resumes at
+    # step 4; the servers hold the model and resume at 5.
+    elastic = [f"sync={sync}", "world_size=4", "data.batch_size=12", "elastic.enabled=true", "elastic.min_workers=3",
+               "elastic.commit_every=2", "cluster.membership.start_s=0"]
+    virtual(tmp_path / "whole", elastic)
+    summary = virtual(tmp_path / "lost", [*elastic, "fault=kill_rank", "fault.rank=2", "fault.step=5",
+                                          "elastic.rejoin_step=8"])
+    # The same global batch every step, split among whoever is there: the model of the run without a loss.
+    assert rel_err(load_params(tmp_path / "whole"), load_params(tmp_path / "lost")) <= TOL
+    resume = 5 if sync == "ps" else 4
+    start, lost, joined = summary["membership"]
+    assert (start["members"], lost["members"], joined["members"]) == ([0, 1, 2, 3], [0, 1, 3], [0, 1, 2, 3])
+    assert (lost["step"], lost["lost"], lost["interrupted_step"], lost["rolled_back_steps"]) == (resume, [2], 5, 5 - resume)
+    assert (joined["step"], joined["joined"]) == (8, [2])
+    logs = {run: [read_jsonl(tmp_path / run / "metrics" / f"rank{w}.jsonl") for w in range(4)] for run in ("whole", "lost")}
+    assert [row["step"] for row in logs["lost"][2]] == [*range(resume), *range(8, 12)]
+    assert [row["samples"] for row in logs["lost"][0]] == [12] * resume + [16] * (8 - resume) + [12] * 4
+    # The change's cost lands in the first step after it: the regroup (40 ms) and the join (150 ms).
+    extra = [logs["lost"][0][step]["t_step"] - logs["whole"][0][step]["t_step"] for step in (resume, 8)]
+    assert extra[0] >= 0.040 and extra[1] >= 0.150, extra
+    assert lost["downtime_s"] >= 0.040 and joined["downtime_s"] >= 0.150
+
+
 def test_calibrated_links_are_this_machines_fits_for_each_synchronizer(tmp_path: Path) -> None:
     nominal = virtual(tmp_path / "nominal", ["sync=ps", "world_size=2"])
     measured = virtual(tmp_path / "measured", ["sync=ps", "world_size=2", "cluster.calibration=docs/sim/calibration.json"])
@@ -230,6 +256,10 @@ def test_a_workers_draws_do_not_depend_on_the_others() -> None:
     (["cluster.compute.wobble=1"], None),
     (["cluster.bandwidth=fast"], "cluster.bandwidth=fast"),
     (["cluster.calibration=nowhere.json"], "cluster.calibration=nowhere.json"),
+    (["fault=kill_rank", "world_size=2"], "fault=kill_rank with elastic.enabled=true"),
+    (["sync=ps", "sync.mode=async", "elastic.enabled=true", "world_size=2"], "elastic.enabled and sync.mode=async"),
+    (["elastic.enabled=true", "world_size=2", "elastic.batch=keep_local", "optim.lr_scaling=none"], "elastic.batch=keep_local"),
+    (["cluster.membership.regroup_ms=-1"], "cluster.membership.regroup_ms=-1"),
 ])
 def test_bad_virtual_input_is_refused_before_anything_runs(overrides: list[str], named: str | None) -> None:
     try:

@@ -34,8 +34,10 @@ from testbed.eval.schedule import LrSchedule, with_schedule
 from testbed.imbalance import loss_weight
 from testbed.launch.virtual.codecs import VirtualCodecs
 from testbed.launch.virtual.gradients import Gradients
+from testbed.launch.virtual.membership import JOIN, LEAVE
 from testbed.optim import build_optimizer
-from testbed.sim.events import PUSH
+from testbed.ps import parameter_server_pb2 as pb
+from testbed.sim.events import PULL, PUSH
 from testbed.sync.base import flat_views
 from testbed.sync.local_sgd import averages_at
 
@@ -49,26 +51,40 @@ class Work:
 
     batches: list[BatchSource]  # each worker's objective over its samples (testbed.models.objective_batches)
     samples: list[RankBatches]  # each worker's samples, resized to the step's share of the global batch
-    sizes: np.ndarray  # each worker's (columns) samples per micro-step at each step (rows): the clock's
+    # Each worker's (columns) samples per micro-step at each step (rows): the clock's; 0 where the
+    # worker is not a member (testbed.launch.virtual.membership).
+    sizes: np.ndarray
     accumulate: int
     gradients: Gradients
     schedule: LrSchedule
-    _splits: dict[bytes, tuple[list[int], list[float]]] = field(default_factory=dict, init=False)
+    # Per distinct split: its members, their sizes and loss weights.
+    _splits: dict[bytes, tuple[list[int], list[int], list[float]]] = field(default_factory=dict, init=False)
     _resized: dict[int, bytes] = field(default_factory=dict, init=False)  # the split each worker's samples hold
+
+    def members(self, step: int) -> list[int]:
+        """The workers of ``step``'s membership, in worker order."""
+        return self._members(step)[0]
+
+    def _members(self, step: int) -> tuple[list[int], list[int], list[float]]:
+        key = self.sizes[step].tobytes()
+        if key not in self._splits:
+            members = [w for w, size in enumerate(self.sizes[step].tolist()) if size]
+            sizes = [int(self.sizes[step, w]) for w in members]
+            self._splits[key] = members, sizes, [loss_weight(sizes, r) for r in range(len(members))]
+        return self._splits[key]
 
     def _split(self, worker: int, step: int) -> float:
         """Resize ``worker``'s samples to ``step``'s split of the global batch (balanced batches:
-        the clock's decision) where it changed; the worker's loss weight. Each distinct split's
-        weights are computed once: they change only at a balance decision."""
+        the clock's decision; a new membership: its workers', the worker renumbered among them)
+        where it changed; the worker's loss weight. Each distinct split's weights are computed once:
+        they change only at a balance decision or a membership change."""
+        members, sizes, weights = self._members(step)
+        rank = members.index(worker)
         key = self.sizes[step].tobytes()
-        if key not in self._splits:
-            sizes = self.sizes[step].tolist()
-            self._splits[key] = sizes, [loss_weight(sizes, w) for w in range(len(sizes))]
-        sizes, weights = self._splits[key]
         if self._resized.get(worker) != key:
-            self.samples[worker].resize(sizes)
+            self.samples[worker].resize(sizes, rank)
             self._resized[worker] = key
-        return weights[worker]
+        return weights[rank]
 
     def grads(self, params: torch.Tensor, workers: list[int], steps: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(gradients, losses) of ``workers`` at their ``steps``, at ``params`` (one flat tensor, or a
@@ -146,19 +162,19 @@ class Lockstep(Family):
 
     def _steps(self, done: Done, params: torch.Tensor, grads: torch.Tensor, optimizer: torch.optim.Optimizer,
                delay: int, codecs: VirtualCodecs | None) -> torch.Tensor:
-        everyone = list(range(self.n))
         earlier = deque([params.clone()] * delay)  # the parameters of the last `delay` steps, oldest first
         for step in range(self.steps):
             _set_lr(optimizer, self.work.schedule.lr_at(step))
             if delay:
                 earlier.append(params.clone())
             at = earlier.popleft() if delay else params
-            g, losses = self.work.grads(at, everyone, [step] * self.n)
+            members = self.work.members(step)  # everyone, but after a loss (elastic.enabled)
+            g, losses = self.work.grads(at, members, [step] * len(members))
             if delay:
                 self.outcome.staleness[step] = min(step, delay)
             grads.copy_(_mean(g) if codecs is None else codecs.mean(g))
             optimizer.step()
-            self.outcome.loss[step] = losses.numpy()
+            self.outcome.loss[step, members] = losses.numpy()
             if done(step, lambda: params):
                 break
         return params
@@ -221,12 +237,25 @@ class ParameterServer(Family):
         ahead: list[deque[tuple[int, int]]] = [deque() for _ in range(n)]  # each worker's events to come
         expected = np.zeros(self.steps, dtype=int)  # pushes each step takes
         for kind, worker, step in order:
-            ahead[worker].append((kind, step))
+            if kind in (PUSH, PULL):
+                ahead[worker].append((kind, step))
             if kind == PUSH:
                 expected[step] += 1
-        landed, complete = np.zeros(self.steps, dtype=int), 0
+        landed, complete, epoch = np.zeros(self.steps, dtype=int), 0, 0
         computed: dict[int, tuple[torch.Tensor, float]] = {}
         for kind, worker, step in order:
+            if kind in (LEAVE, JOIN):  # a membership change (testbed.launch.virtual.membership), at a step boundary
+                epoch += 1
+                for shard in self.shards:
+                    if kind == LEAVE:
+                        shard.leave(pb.LeaveRequest(worker=worker, epoch=epoch))
+                    else:
+                        shard.join(pb.JoinRequest(worker=worker, epoch=epoch))
+                if kind == JOIN:  # the newcomer pulls the model, at the members' clock
+                    pulled = [shard.pull_local(worker, step) for shard in self.shards]
+                    held[worker] = torch.cat([params for params, _ in pulled])
+                    versions[worker] = tuple(version for _, version in pulled)
+                continue
             ahead[worker].popleft()
             if kind != PUSH:  # a pull released: the servers' parameters now
                 pulled = [shard.pull_local(worker, step + 1) for shard in self.shards]

@@ -21,7 +21,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
@@ -37,6 +36,7 @@ from testbed.launch.rank import buffer_hash, param_hash
 from testbed.launch.virtual.cluster import compute_of, pace
 from testbed.launch.virtual.families import FAMILY_CLASSES, Outcome, Work
 from testbed.launch.virtual.gradients import Gradients
+from testbed.launch.virtual.membership import timeline
 from testbed.launch.virtual.replay import replayed_order
 from testbed.memory import rss_now_peak
 from testbed.models import build_model, gradient_bytes, model_heldout, objective_batches, workload_facts
@@ -67,19 +67,19 @@ def run_virtual(cfg: DictConfig, plain: dict[str, Any], job_dir: Path) -> dict[s
     compute, source = compute_of(cfg.cluster, copy.deepcopy(model), call, batches[0].batch(0))
 
     paced = pace(cfg.cluster.compute, n, steps, seed)
-    prediction = predict(clock_config(cfg), compute, paced)
+    clock = timeline(clock_config(cfg), compute, paced, state_bytes(cfg.optim, model),
+                     lambda sized, draws: predict(sized, compute, draws))
 
     train_size = data_kind(cfg.data.name).train_size(cfg.data)
-    work = Work(batches, sources, prediction.batches, int(cfg.sync.accumulate),
+    work = Work(batches, sources, clock.sizes, int(cfg.sync.accumulate),
                 Gradients(model, call, int(cfg.launcher.vmap_workers)), schedule_of(cfg, train_size))
     outcome = Outcome.empty(steps, n)
     replay = cfg.launcher.get("replay")
-    order = (replayed_order(Path(replay), n, steps) if replay else
-             prediction.trace.order if prediction.trace is not None else None)
+    order = replayed_order(Path(replay), n, steps) if replay else clock.order
     family = FAMILY_CLASSES[family_of(cfg)](cfg, plain, work, model, outcome, order)
 
     # Each step ends, on the clock, when its slowest worker's does; evaluation waits for it.
-    ends = np.cumsum([[r.t_step for r in rows] for rows in prediction.records], axis=1).max(axis=0)
+    ends = clock.ends
     evaluator = _evaluator(cfg, spec, job_dir, first.describe().get("samples"))
     eval_s = _eval_seconds(cfg, compute, evaluator, n)
     last = steps - 1
@@ -100,7 +100,7 @@ def run_virtual(cfg: DictConfig, plain: dict[str, Any], job_dir: Path) -> dict[s
             with _holding(evaluated, final) as module:
                 evaluator.evaluate(module, last, float(ends[last]) + evaluator.t_eval, eval_s)
         evaluator.close()
-    records = _records(prediction.records, outcome, work, last)
+    records = _records(clock.records, outcome, work, last)
     for worker, rows in enumerate(records):
         log = StepLog(metrics_path(job_dir, worker))
         for record in rows:
@@ -114,9 +114,9 @@ def run_virtual(cfg: DictConfig, plain: dict[str, Any], job_dir: Path) -> dict[s
         "memory": {}, "peak_rss_bytes": rss, "cuda_peak_bytes": None,
         "param_hash": param_hash(evaluated), "buffer_hash": buffer_hash(evaluated),
         "gradient_bytes": gradient_bytes(evaluated), "device": "cpu", "backend": "virtual",
-        "eval": evaluator.summary() if evaluator is not None else None,
+        "eval": evaluator.summary() if evaluator is not None else None, "membership": clock.membership,
     }
-    summary = summarize(plain, records, [facts], {**prediction.facts, **family.facts()}, label=run_label(plain))
+    summary = summarize(plain, records, [facts], {**clock.facts, **family.facts()}, label=run_label(plain))
     summary.update(clock="simulated", replicas_identical=None, cluster={
         **plain["cluster"], "compute_per_sample": dataclasses.asdict(compute), "compute_from": source,
         "eval_s": eval_s, "workers": n, "order": f"replayed from {replay}" if replay else "clock"})
@@ -135,6 +135,13 @@ def clock_config(cfg: DictConfig) -> DictConfig:
                "alpha_us": float(cluster.alpha_us), "cores": None, "gradient_mb": None,
                "codec_calibration": str(cluster.codec_calibration), "codec_time_scale": float(cluster.codec_time_scale)}
     return out
+
+
+def state_bytes(optim: DictConfig, model: nn.Module) -> int:
+    """What a restored commit or a newcomer receives: the parameters and the optimizer's state of them
+    (SGD's momentum buffer, AdamW's two moments)."""
+    slots = {"sgd": 1 if float(optim.get("momentum", 0.0)) else 0, "adamw": 2}[optim.name]
+    return gradient_bytes(model) * (1 + slots)
 
 
 def _evaluator(cfg: DictConfig, spec: Any, job_dir: Path, train_samples: int | None) -> Evaluator | None:
