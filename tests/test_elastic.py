@@ -10,9 +10,13 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from conftest import assert_nothing_left, load_params, read_json, read_jsonl, relative_error, run_cli
+from hydra import compose, initialize_config_dir
 
 from analysis import elastic
 from testbed.checks import ConfigError
+from testbed.config import to_plain, validate
+from testbed.launch.virtual.run import run_virtual
+from testbed.paths import config_dir
 from testbed.preflight import check_command_line
 from testbed.results.summary import load_summaries
 
@@ -157,6 +161,30 @@ def test_over_an_emulated_network_a_worker_leaves_and_a_newcomer_joins(runs: dic
     assert [(c["step"], c["members"]) for c in summary["membership"]] == [
         (0, [0, 1, 2, 3]), (5, [0, 1, 3]), (10, [0, 1, 2, 3])]
     assert_nothing_left(job)
+
+
+@pytest.mark.parametrize(("run", "overrides"), [
+    ("ring", ["sync=ring", "elastic.commit_every=3", "fault.step=7"]),
+    ("ps_rejoin", ["sync=ps", "sync.servers=2", "fault.step=5", *AT_STEP_10]),
+])
+def test_a_virtual_cluster_loses_and_admits_a_worker_as_the_real_run_does(
+    runs: dict[str, Path], tmp_path: Path, run: str, overrides: list[str],
+) -> None:
+    """The same loss (and join) on a virtual cluster (testbed.launch.virtual.membership): the real
+    run's model, its memberships' steps, and its workers' steps."""
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            *ELASTIC, *(o for o in QUICK if not o.startswith("launcher.")), *overrides, "launcher=virtual",
+            "cluster=here", "cluster.compute.ms_per_sample=0.05"])
+    validate(cfg)
+    summary = run_virtual(cfg, to_plain(cfg), tmp_path)
+    assert relative_error(load_params(tmp_path), load_params(runs[run])) < 1e-6
+    keys = ("step", "members", "lost", "joined", "interrupted_step", "rolled_back_steps")
+    real = read_json(runs[run] / "summary.json")["membership"]
+    assert [{k: e.get(k) for k in keys} for e in summary["membership"]] == [{k: e.get(k) for k in keys} for e in real]
+    for worker in range(4):
+        steps = [[r["step"] for r in read_jsonl(job / "metrics" / f"rank{worker}.jsonl")] for job in (tmp_path, runs[run])]
+        assert steps[0] == steps[1], worker
 
 
 def test_ssp_workers_go_on_when_the_servers_drop_a_lost_one_and_take_a_newcomer_in(runs: dict[str, Path]) -> None:

@@ -193,7 +193,7 @@ def test_a_lost_worker_and_its_newcomer_keep_the_model_and_charge_the_clock(tmp_
     assert (lost["step"], lost["lost"], lost["interrupted_step"], lost["rolled_back_steps"]) == (resume, [2], 5, 5 - resume)
     assert (joined["step"], joined["joined"]) == (8, [2])
     logs = {run: [read_jsonl(tmp_path / run / "metrics" / f"rank{w}.jsonl") for w in range(4)] for run in ("whole", "lost")}
-    assert [row["step"] for row in logs["lost"][2]] == [*range(resume), *range(8, 12)]
+    assert [row["step"] for row in logs["lost"][2]] == [*range(5), *range(8, 12)]  # the steps it completed
     assert [row["samples"] for row in logs["lost"][0]] == [12] * resume + [16] * (8 - resume) + [12] * 4
     # The change's cost lands in the first step after it: the regroup (40 ms) and the join (150 ms).
     extra = [logs["lost"][0][step]["t_step"] - logs["whole"][0][step]["t_step"] for step in (resume, 8)]

@@ -94,6 +94,8 @@ def timeline(cfg: DictConfig, compute: Compute, paced: np.ndarray, state_bytes: 
     interrupted = max(float(paced[lost_at, w]) * costs.compute_s(n) for w in survivors)
     restore = costs.pull_s(len(survivors)) if ps else costs.broadcast_s(len(survivors))
     undone = loss_s - (float(before.ends(0.0)[resume - 1]) if resume else 0.0)  # steps since the commit
+    # The lost worker's steps since the commit stay in its log, as a real one's: it completed them.
+    completed = before.prediction.records[lost][resume:]
     before = _Segment(0, members, _truncated(before.prediction, resume))
     pause = undone + interrupted + costs.regroup_s + restore
     left = _Segment(resume, survivors, predict(_sized(cfg, len(survivors), steps - resume),
@@ -110,7 +112,7 @@ def timeline(cfg: DictConfig, compute: Compute, paced: np.ndarray, state_bytes: 
         segments.append(_Segment(at, members, predict(_sized(cfg, n, steps - at), paced[at:]), join_pause))
         changes.append(_entry(2, at, members, f"elastic.rejoin_step={cfg.elastic.rejoin_step}: a newcomer in worker "
                                               f"{lost}'s place", joined=[lost]))
-    return _stitched(segments, changes, n, steps, _entry(0, 0, members, "start"), lost)
+    return _stitched(segments, changes, n, steps, _entry(0, 0, members, "start"), lost, completed)
 
 
 @dataclass
@@ -195,7 +197,9 @@ def _entry(epoch: int, step: int, members: list[int], cause: str, lost: list[int
 
 
 def _stitched(segments: list[_Segment], changes: list[dict[str, Any]], n: int, steps: int, start: dict[str, Any],
-              lost: int) -> Timeline:
+              lost: int, completed: list[StepRecord]) -> Timeline:
+    """One timeline of the memberships' clocks; ``completed``: the steps the lost worker completed
+    that its survivors did again."""
     records: list[list[StepRecord]] = [[] for _ in range(n)]
     sizes = np.zeros((steps, n), dtype=int)
     ends = np.empty(steps)
@@ -212,6 +216,8 @@ def _stitched(segments: list[_Segment], changes: list[dict[str, Any]], n: int, s
                 records[members[local]].append(dataclasses.replace(
                     row, step=row.step + first, rank=members[local], t_sync=row.t_sync + extra,
                     t_wait=(row.t_wait or 0.0) + extra, t_step=row.t_step + extra))
+        if i == 0:
+            records[lost].extend(completed)
         if order is not None:
             assert prediction.trace is not None
             if i:
