@@ -229,6 +229,26 @@ def test_a_token_file_pickles_without_its_tokens(tmp_path: Path) -> None:
     assert torch.equal(pickle.loads(blob)[3][0], x)
 
 
+@pytest.mark.parametrize("split", ["path", "val_path"])
+def test_a_token_id_past_the_vocabulary_is_named_with_its_file_and_offset(tmp_path: Path, split: str) -> None:
+    from hydra import compose, initialize_config_dir
+
+    from testbed.checks import ConfigError
+    from testbed.config import validate
+    from testbed.paths import config_dir
+
+    tokens = {key: np.arange(400, dtype=np.uint16) % 256 for key in ("path", "val_path")}
+    tokens[split][333] = 300  # one id past a vocabulary of 256
+    files = {key: write_tokens(tmp_path / f"{key}.bin", t) for key, t in tokens.items()}
+    assert TokenFile(files[split], seq_len=16).first_beyond(256, chunk=100) == (333, 300)  # found across chunks
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            "data=tokens", "model=transformer", "data.vocab_size=256", "data.seq_len=16",
+            f"data.path={files['path']}", f"data.val_path={files['val_path']}"])
+    with pytest.raises(ConfigError, match=rf"data\.{split}=.*{split}\.bin: token 300 at offset 333 .*data\.vocab_size=256"):
+        validate(cfg)
+
+
 def test_configuration_errors_name_the_field(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"data\.root=.*nowhere: no such directory"):
         ImageFolder(str(tmp_path / "nowhere"), 8)

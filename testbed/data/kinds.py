@@ -141,10 +141,16 @@ def _check_tokens(cfg: Any) -> None:
     require(cfg.vocab_size >= 2, f"data.vocab_size={cfg.vocab_size}: the token file's vocabulary, >= 2")
     for key in ("path", "val_path") if cfg.val_path is not None else ("path",):
         try:  # the file's size against dtype and seq_len: a stat, not a read
-            TokenFile(str(cfg[key]), cfg.seq_len, cfg.dtype)
+            tokens = TokenFile(str(cfg[key]), cfg.seq_len, cfg.dtype)
         except ValueError as exc:
             message = str(exc).replace("data.path=", f"data.{key}=")
             raise ConfigError(f"{message}; data=tokens reads a flat {cfg.dtype} token file (nanoGPT's train.bin)") from None
+        # Every id must index the embedding: found here, by file and offset, not as an IndexError mid-run.
+        beyond = tokens.first_beyond(int(cfg.vocab_size))
+        require(beyond is None, f"data.{key}={cfg[key]}: token {beyond[1] if beyond else ''} at offset "
+                                f"{beyond[0] if beyond else ''} (in tokens) is outside data.vocab_size={cfg.vocab_size}; "
+                                "set data.vocab_size to the tokenizer's vocabulary (above the largest id), or check "
+                                "data.dtype against how the file was written")
 
 
 def _lm_spec(cfg: Any) -> DataSpec:

@@ -212,6 +212,17 @@ class TokenFile(Dataset):
     def __len__(self) -> int:
         return (self.num_tokens - 1) // self.seq_len
 
+    def first_beyond(self, vocab_size: int, chunk: int = 1 << 24) -> tuple[int, int] | None:
+        """(offset, id) of the file's first token id outside [0, ``vocab_size``), or None: read in chunks,
+        so that a file larger than memory is checked too."""
+        tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
+        for start in range(0, self.num_tokens, chunk):
+            part = tokens[start:start + chunk]
+            if int(part.max()) >= vocab_size:
+                at = int(np.argmax(part >= vocab_size))
+                return start + at, int(part[at])
+        return None
+
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= index < len(self):
             raise IndexError(f"window {index} of {len(self)}")
