@@ -79,6 +79,24 @@ def check_output_dirs(argv: list[str]) -> None:
         if free < MIN_FREE_MB:
             raise ConfigError(f"{name}: {free:.0f} MB free on the file system of {existing}, under {MIN_FREE_MB} MB; "
                               "free some space or choose another directory")
+    _check_not_a_finished_run(given, "sweep_resume=true" in {a.lstrip("+").lower() for a in argv})
+
+
+def _check_not_a_finished_run(given: dict[str, str], sweep_resume: bool) -> None:
+    """Refuse a results directory that holds a run's results: Hydra would write its config and log
+    over the earlier run's before the job starts, and the job its step logs, summary and model."""
+    run_dir = given.get("hydra.run.dir")
+    if run_dir is not None and (Path(run_dir) / "summary.json").is_file():
+        raise ConfigError(f"hydra.run.dir={run_dir} holds a run's results (its summary.json), which a run never writes "
+                          f"over; choose a new hydra.run.dir (to go on from that run: resume={run_dir} "
+                          "hydra.run.dir=<a new directory>)")
+    sweep_dir = given.get("hydra.sweep.dir")
+    if sweep_dir is not None and not sweep_resume:
+        done = next(iter(sorted(Path(sweep_dir).glob("*/summary.json"))), None)
+        if done is not None:
+            raise ConfigError(f"hydra.sweep.dir={sweep_dir} holds the results of a sweep ({done.parent.name}, ...), which "
+                              "a sweep never writes over; choose a new hydra.sweep.dir, or add sweep_resume=true to go "
+                              "on with it (its finished jobs are kept, the others' files set aside under attempts/)")
 
 
 PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")

@@ -184,6 +184,22 @@ def test_only_checkpoints_complete_by_their_manifest_count(tmp_path: Path, caplo
         checkpoint.load(tmp_path, 0)
 
 
+def test_a_run_into_a_finished_runs_directory_is_refused_and_changes_nothing(tmp_path: Path, shared: Shared) -> None:
+    finished = shared(["sync=allreduce", "optim.momentum=0.9"])
+    before = {p: p.read_bytes() for p in finished.rglob("*") if p.is_file()}
+    proc = run_cli([*RUN, "sync=allreduce", "optim.momentum=0.9", "steps=20", f"resume={finished}",
+                    f"hydra.run.dir={finished}"], cwd=tmp_path)
+    assert proc.returncode == 2 and f"hydra.run.dir={finished} holds a run's results" in proc.stderr, proc.stderr
+    assert {p: p.read_bytes() for p in finished.rglob("*") if p.is_file()} == before  # Hydra's config and log too
+    # A sweep into a finished sweep's directory likewise, unless it goes on with it (sweep_resume).
+    sweep = tmp_path / "sweep"
+    (sweep / "0_sync=ring").mkdir(parents=True)
+    (sweep / "0_sync=ring" / "summary.json").write_text("{}")
+    with pytest.raises(ConfigError, match="holds the results of a sweep"):
+        check_command_line(["-m", *RUN, "sync=ring,allreduce", f"hydra.sweep.dir={sweep}", "device=cpu"])
+    check_command_line(["-m", *RUN, "sync=ring,allreduce", f"hydra.sweep.dir={sweep}", "sweep_resume=true", "device=cpu"])
+
+
 @pytest.mark.parametrize(
     "overrides,message",
     [
