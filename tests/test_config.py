@@ -108,6 +108,10 @@ BAD = {
     "weight decay": (["optim=adamw", "optim.weight_decay=-0.1"], "optim.weight_decay=-0.1: must be >= 0"),
     "adam betas": (["optim=adamw", "optim.betas=[0.9,1.0]"], "optim.betas=[0.9, 1.0]: two decay rates, each in [0, 1)"),
     "adam eps": (["optim=adamw", "optim.eps=-1e-8"], "optim.eps=-1e-08: must be >= 0"),
+    "cosine floor above the peak": (["optim.schedule=cosine", "optim.lr=0.01", "optim.min_lr=0.5"],
+                                    "optim.min_lr=0.5 is above the peak rate 0.01"),
+    "floor of another schedule": (["optim.min_lr=0.001"], "optim.min_lr=0.001 is the cosine schedule's floor"),
+    "factor of another schedule": (["optim.schedule=cosine", "optim.gamma=0.5"], "optim.gamma=0.5 is the step schedule's"),
 }
 
 

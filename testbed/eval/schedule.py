@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 
 from testbed.batch import global_batch
 from testbed.checks import require
+from testbed.optim import LrScheduleConfig
 
 SCALINGS = ("none", "linear", "sqrt")
 SCHEDULES = ("constant", "cosine", "step")
@@ -126,6 +127,19 @@ def check_schedule(cfg: Any, train_size: int | None) -> None:
             f"the run (steps={cfg.steps}); shorten the warmup or raise steps")
     require(optim.gamma > 0, f"optim.gamma={optim.gamma}: must be > 0")
     require(optim.min_lr >= 0, f"optim.min_lr={optim.min_lr}: must be >= 0")
+    # Options of one schedule, set for another, would be silently ignored; a floor above the peak
+    # would make the cosine "decay" upward.
+    defaults = LrScheduleConfig()
+    require(optim.schedule == "cosine" or optim.min_lr == defaults.min_lr,
+            f"optim.min_lr={optim.min_lr} is the cosine schedule's floor, and optim.schedule={optim.schedule} has "
+            "none; set optim.schedule=cosine or drop optim.min_lr")
+    require(optim.schedule == "step" or optim.gamma == defaults.gamma,
+            f"optim.gamma={optim.gamma} is the step schedule's factor, and optim.schedule={optim.schedule} has none; "
+            "set optim.schedule=step or drop optim.gamma")
+    peak = schedule_of(cfg, train_size).peak
+    require(optim.min_lr <= peak, f"optim.min_lr={optim.min_lr} is above the peak rate {peak:g} (optim.lr, "
+                                  f"optim.lr_scaling={optim.lr_scaling}): a cosine would rise to it, not decay; "
+                                  "set optim.min_lr below the peak")
     milestones = list(optim.milestones)
     require(milestones == sorted(milestones) and all(0 < m < int(cfg.steps) for m in milestones),
             f"optim.milestones={milestones}: increasing steps inside (0, steps={cfg.steps})")
