@@ -201,6 +201,16 @@ def test_a_lost_worker_and_its_newcomer_keep_the_model_and_charge_the_clock(tmp_
     assert lost["downtime_s"] >= 0.040 and joined["downtime_s"] >= 0.150
 
 
+def test_a_newcomer_joins_once_ready_or_is_waited_for(tmp_path: Path) -> None:
+    lost = ["sync=ring", "world_size=4", "data.batch_size=12", "elastic.enabled=true", "elastic.min_workers=3",
+            "fault=kill_rank", "fault.rank=2", "fault.step=3", "elastic.rejoin_step=5", "cluster.membership.start_s=1"]
+    # Steps of a few milliseconds: a newcomer ready a second after the loss comes after the run's end ...
+    assert len(virtual(tmp_path / "late", lost)["membership"]) == 2
+    # ... unless the members wait for it at rejoin_step, for the rest of that second.
+    joined = virtual(tmp_path / "waited", [*lost, "elastic.rejoin_wait=true"])["membership"][2]
+    assert joined["step"] == 5 and 0.9 < joined["downtime_s"] < 1.2, joined
+
+
 def test_calibrated_links_are_this_machines_fits_for_each_synchronizer(tmp_path: Path) -> None:
     nominal = virtual(tmp_path / "nominal", ["sync=ps", "world_size=2"])
     measured = virtual(tmp_path / "measured", ["sync=ps", "world_size=2", "cluster.calibration=docs/sim/calibration.json"])

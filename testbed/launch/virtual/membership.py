@@ -104,7 +104,7 @@ def timeline(cfg: DictConfig, compute: Compute, paced: np.ndarray, state_bytes: 
                                                 f"the start of step {lost_at}", lost=[lost])]
     changes[-1].update(interrupted_step=lost_at, rolled_back_steps=lost_at - resume,
                        regroup_s=round(interrupted + costs.regroup_s, 6))
-    joined_at = _join_step(cfg, left, loss_s, resume, steps)
+    joined_at = _join_step(cfg, left, loss_s - undone, loss_s + costs.start_s, steps)
     if joined_at is not None:
         at, wait_s = joined_at
         left.prediction = _truncated(left.prediction, at - resume)
@@ -153,14 +153,15 @@ class _Costs:
         return self.alpha_s + m * self.state_bytes * self.beta_s
 
 
-def _join_step(cfg: DictConfig, left: _Segment, loss_s: float, first: int, steps: int) -> tuple[int, float] | None:
+def _join_step(cfg: DictConfig, left: _Segment, began: float, ready: float, steps: int) -> tuple[int, float] | None:
     """(the step the newcomer joins at, the members' wait for it there), or None: never before the
-    run ends."""
+    run ends. ``left``: the membership it joins, which began at ``began``; ``ready``: when the
+    newcomer is."""
     rejoin = cfg.elastic.rejoin_step
     if rejoin is None:
         return None
-    ready = loss_s + float(cfg.cluster.membership.start_s)
-    ends = left.ends(loss_s)  # ends[i]: when step first + i ends; the boundary before first + i + 1
+    first = left.first
+    ends = left.ends(began)  # ends[i]: when step first + i ends; the boundary before first + i + 1
     at = max(int(rejoin), first + 1)
     if cfg.elastic.rejoin_wait:
         return (at, max(0.0, ready - float(ends[at - first - 1]))) if at < steps else None
