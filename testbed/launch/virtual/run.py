@@ -3,7 +3,8 @@
 1. The workers' batches, the model and its per-sample compute (testbed.launch.virtual.cluster).
 2. The clock: testbed.sim.step.predict for the described cluster (its links as the simulator's
    nominal link, each worker's compute paced by its own draws): every worker's step records and,
-   for a parameter server, the order in which its pushes and pulls reached the servers.
+   for a parameter server, the order in which its pushes and pulls reached the servers; one clock
+   per membership where a worker is lost and a newcomer joins (testbed.launch.virtual.membership).
 3. The math: the synchronizer's family (testbed.launch.virtual.families) in that order; held-out
    evaluation when a step is complete, charged to the clock as MLPerf counts it (the evaluated
    share of the held-out split at the forward time per sample).
