@@ -19,6 +19,7 @@ from testbed.data import data_kind, spec_for
 from testbed.models import build_model
 from testbed.network import check_rate
 from testbed.paths import in_checkout
+from testbed.sim.events import SERVER_LINKS
 
 DISTRIBUTIONS = ("constant", "lognormal", "exponential", "pareto")
 # The synchronizers a virtual run computes, by the family whose math it replays (testbed.launch.virtual.families).
@@ -65,6 +66,9 @@ class ClusterConfig:
     calibration: str | None = None
     link: str = "loopback"
     eval_ms_per_sample: float | None = None  # held-out evaluation, charged to the clock; null: the forward time
+    # How a parameter server's NIC serves concurrent transfers: fair (shared equally) or fifo (one at
+    # a time, in arrival order; testbed.sim.events).
+    server_link: str = "fair"
     # A codec's encode and decode times: this calibration's codec fits (python -m testbed.bench.codecs,
     # measured on this machine's cores) times `codec_time_scale`; 0 costs the wire alone.
     codec_calibration: str = "docs/sim/calibration.json"
@@ -186,6 +190,8 @@ def check_cluster(cfg: Any) -> None:
     require(cluster.codec_time_scale >= 0, f"cluster.codec_time_scale={cluster.codec_time_scale}: a factor on the "
                                            "codec times, must be >= 0 (0: the wire alone)")
     check_rate("cluster.bandwidth", str(cluster.bandwidth))
+    require(cluster.server_link in SERVER_LINKS,
+            f"cluster.server_link={cluster.server_link}: allowed: {'|'.join(SERVER_LINKS)}")
     for key in ("regroup_ms", "join_ms", "start_s"):
         value = cluster.membership[key]
         require(value >= 0, f"cluster.membership.{key}={value}: a time, must be >= 0")

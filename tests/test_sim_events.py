@@ -207,6 +207,30 @@ def test_server_link_is_shared_fairly_by_overlapping_pushes() -> None:
     assert trace.pushed[0] == pytest.approx([BASE + 0.00175, BASE + 0.00275, BASE + 0.003], rel=1e-12)
 
 
+def test_a_fifo_server_link_serves_in_arrival_order_and_shares_among_simultaneous_arrivals() -> None:
+    # The same arrivals as above: first come, first served (+1, +2, +3 ms) ...
+    compute = np.array([[BASE, BASE + 0.0005, BASE + 0.001]])
+    trace = simulate_ps(compute, push_s=1e-6, pull_s=1e-6, server_in_s=0.001, server_out_s=0.0, mode="async",
+                        server_link="fifo")
+    assert trace.pushed[0] == pytest.approx([BASE + 0.001, BASE + 0.002, BASE + 0.003], rel=1e-12)
+    # ... and those arriving together share: n simultaneous pushes all land after n M beta.
+    n, m_beta = 4, 0.001
+    together = simulate_ps(np.full((1, n), BASE), push_s=m_beta, pull_s=m_beta, server_in_s=m_beta,
+                           server_out_s=m_beta, mode="async", server_link="fifo")
+    assert together.pushed[0] == pytest.approx(np.full(n, BASE + n * m_beta), rel=1e-12)
+
+
+def test_two_async_workers_on_a_fifo_server_link_settle_into_pushing_while_the_other_pulls() -> None:
+    # Measured over tc (docs/virtual.md): once jitter parts them, one worker's push and the other's
+    # pull share no link, and a step costs compute + push + pull, not the 2 (push + pull) of lockstep.
+    steps, link = 200, 0.048
+    compute = 0.002 * np.random.default_rng(0).lognormal(0.0, 0.1, (steps, 2))
+    args = dict(push_s=link, pull_s=link, server_in_s=link, server_out_s=link, mode="async")
+    fifo = simulate_ps(compute, **args, server_link="fifo").step_s[20:].mean()
+    fair = simulate_ps(compute, **args).step_s[20:].mean()
+    assert fifo == pytest.approx(0.002 + 2 * link, rel=0.05) and fair == pytest.approx(0.002 + 4 * link, rel=0.05)
+
+
 # --- backup workers -----------------------------------------------------------------------------
 
 OWN_LINKS = dict(push_s=PUSH, pull_s=PULL, server_in_s=0.0, server_out_s=0.0)  # no server link: nothing contends

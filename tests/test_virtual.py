@@ -270,6 +270,7 @@ def test_a_workers_draws_do_not_depend_on_the_others() -> None:
     (["sync=ps", "sync.mode=async", "elastic.enabled=true", "world_size=2"], "elastic.enabled and sync.mode=async"),
     (["elastic.enabled=true", "world_size=2", "elastic.batch=keep_local", "optim.lr_scaling=none"], "elastic.batch=keep_local"),
     (["cluster.membership.regroup_ms=-1"], "cluster.membership.regroup_ms=-1"),
+    (["cluster.server_link=lifo"], "cluster.server_link=lifo: allowed: fair|fifo"),
 ])
 def test_bad_virtual_input_is_refused_before_anything_runs(overrides: list[str], named: str | None) -> None:
     try:

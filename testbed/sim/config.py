@@ -23,6 +23,9 @@ class SimConfig:
     optimizer_ms: float = 0.0
     gradient_mb: float | None = None  # a model the testbed does not build (paper-scale presets)
     cores: int | None = None  # ranks share this many cores (one machine); null: each has its own
+    # How a parameter server's NIC serves concurrent pushes (and pulls): fair (shared equally) or
+    # fifo (one at a time, in arrival order; testbed.sim.events).
+    server_link: str = "fair"
     tensors: int = 100  # with gradient_mb: tensors the gradient is split into, for buckets
     # A codec's encode and decode times (the calibration's, measured on the machine that ran
     # python -m testbed.bench.codecs) times this: 0 costs the wire alone.

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -229,6 +230,45 @@ class _FairLink:
         return done
 
 
+class _FifoLink:
+    """One direction of a server NIC serving transfers in arrival order: those that arrive together
+    share it equally, and one that arrives while others are sending waits for them. This is what
+    TCP flows through one shaped queue come close to, measured here over tc's token bucket: pulls
+    released together (a synchronous step) end together, and two asynchronous workers, once their
+    compute jitter parts them, settle within two steps into one pushing while the other pulls. The
+    interface of ``_FairLink``."""
+
+    def __init__(self) -> None:
+        self.version, self.started = 0, -1.0
+        self.sending = _FairLink()  # the group being served
+        self.waiting: deque[tuple[float, list[tuple[int, float]]]] = deque()  # (arrival, [(worker, work)])
+
+    def add(self, now: float, worker: int, work: float) -> None:
+        if not self.sending.jobs or now == self.started:
+            if not self.sending.jobs:
+                self.started = now
+            self.sending.add(now, worker, work)
+        elif self.waiting and self.waiting[-1][0] == now:
+            self.waiting[-1][1].append((worker, work))
+        else:
+            self.waiting.append((now, [(worker, work)]))
+        self.version += 1
+
+    def next_finish(self) -> float | None:
+        return self.sending.next_finish()
+
+    def finish(self, now: float) -> list[int]:
+        done = self.sending.finish(now)
+        if not self.sending.jobs and self.waiting:
+            self.started = now
+            for worker, work in self.waiting.popleft()[1]:
+                self.sending.add(now, worker, work)
+        self.version += 1
+        return done
+
+
+SERVER_LINKS = {"fair": _FairLink, "fifo": _FifoLink}  # how a server's NIC shares its transfers
+
 _COMPUTED, _PUSHED, _PULLED, _LINK, _ENTER = range(5)
 PUSH, PULL = 0, 1  # PsTrace.order's kinds
 
@@ -244,6 +284,7 @@ def simulate_ps(
     staleness: int = 0,
     latency_s: float = 0.0,
     backup: int = 0,
+    server_link: str = "fair",
 ) -> PsTrace:
     """Replay workers computing ``compute`` [steps, n] against a parameter server.
 
@@ -261,6 +302,9 @@ def simulate_ps(
     A later one pushes nothing, waits for that update and pulls the newest version; the steps it
     finds made already it sits out, as does a worker that begins a step whose tickets are all taken
     (it waits for that step's update instead of computing).
+
+    ``server_link``: how each direction of a server's NIC serves concurrent transfers: ``fair``
+    (shared equally) or ``fifo`` (in arrival order, those arriving together shared equally).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -284,7 +328,7 @@ def simulate_ps(
         heapq.heappush(events, (time, seq, kind, who, version))
         seq += 1
 
-    links = (_FairLink(), _FairLink())  # server inbound (pushes), outbound (pulls)
+    links = (SERVER_LINKS[server_link](), SERVER_LINKS[server_link]())  # server inbound (pushes), outbound (pulls)
     work = (server_in_s, server_out_s)
     own_done = [[0.0] * n, [0.0] * n]  # when each worker's own link finishes its current push / pull
     done_kind = (_PUSHED, _PULLED)

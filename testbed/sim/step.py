@@ -48,7 +48,7 @@ from testbed.paths import in_checkout
 from testbed.results.summary import summarize
 from testbed.sim import calibrate, codecs
 from testbed.sim.codecs import CodecPlan, Compressed
-from testbed.sim.events import Delays, PsTrace, simulate_ps
+from testbed.sim.events import SERVER_LINKS, Delays, PsTrace, simulate_ps
 from testbed.step_record import StepRecord
 from testbed.sync import run_label, spec_of
 from testbed.sync.flat import bucket_ends
@@ -470,9 +470,13 @@ def _parameter_server(
             own_extra = decode[0, 0] + (widest.encode_s if mode == "sync" else 0.0)
         work = work + encode
     backup = int(cfg.sync.get("backup_workers") or 0)
+    server_link = str(cfg.sim.get("server_link", "fair"))
+    if server_link not in SERVER_LINKS:
+        raise config.ConfigError(f"sim.server_link={server_link}: allowed: {'|'.join(SERVER_LINKS)}")
     trace = simulate_ps(work, push_s=link.alpha + push * link.beta, pull_s=link.alpha + pull * link.beta + own_extra,
                         server_in_s=server_in, server_out_s=server_out, mode=mode,
-                        staleness=int(cfg.sync.staleness), latency_s=link.alpha, backup=backup)
+                        staleness=int(cfg.sync.staleness), latency_s=link.alpha, backup=backup,
+                        server_link=server_link)
     wait, computed = trace.wait_s, np.where(trace.sat_out, 0.0, work)
     comm = trace.step_s - computed - wait + (encode if encode is not None else 0.0)
     return _Sync(wait, comm, encode, decode, *((trace.dropped, trace.sat_out) if backup else (None, None)), trace=trace)

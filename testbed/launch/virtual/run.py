@@ -134,7 +134,8 @@ def clock_config(cfg: DictConfig) -> DictConfig:
     out.sim = {**OmegaConf.to_container(out.sim), "calibration": calibration,
                "link": str(cluster.link) if calibration else None, "bandwidth": str(cluster.bandwidth),
                "alpha_us": float(cluster.alpha_us), "cores": None, "gradient_mb": None,
-               "codec_calibration": str(cluster.codec_calibration), "codec_time_scale": float(cluster.codec_time_scale)}
+               "codec_calibration": str(cluster.codec_calibration), "codec_time_scale": float(cluster.codec_time_scale),
+               "server_link": str(cluster.server_link)}
     return out
 
 
