@@ -128,6 +128,7 @@ def test_run_key_groups_worker_counts_and_seeds_of_one_configuration() -> None:
     assert run_key(["model.hidden=64", "sync=ring", "steps=8"]) != key  # any other override: another
     assert run_key(["sync=tree", "model.hidden=32", "steps=8"]) != key
     assert run_key(["sync=ring", "model.hidden=32", "steps=8", "data.workers=2"]) != key
+    assert run_key([*base, "sweep_resume=True"]) == key  # a resumed sweep's runs are the same configuration
 
 
 def test_run_key_vary_and_ignore() -> None:

@@ -7,6 +7,9 @@ from collections.abc import Iterable, Sequence
 
 # Overrides that vary within one configuration: the worker count and the repeat's seed.
 VARYING = ("world_size=", "seed=")
+# Orders to the sweep, not part of any configuration (summary.json's config_hash leaves them out too):
+# a sweep resumed with sweep_resume=true holds the same configurations as before.
+NOT_CONFIGURATION = ("sweep_resume=",)
 
 
 def run_key(overrides: Iterable[str], vary: Sequence[str] = VARYING, ignore: Sequence[str] = ()) -> str:
@@ -23,5 +26,5 @@ def run_key(overrides: Iterable[str], vary: Sequence[str] = VARYING, ignore: Seq
     world_size without being overrides (the global batch, ps_sharded's shard count) are not in the
     key, and the overrides are compared as typed, not resolved (``lr=0.1`` and ``lr=.1`` differ).
     """
-    skip = (*vary, *ignore)
+    skip = (*vary, *ignore, *NOT_CONFIGURATION)
     return ",".join(sorted(o for o in overrides if not o.startswith(skip)))
